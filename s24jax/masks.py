@@ -1,38 +1,333 @@
-"""Pure N:M sparsity math: masks, flip rate. No autodiff rules live here.
+"""Pure N:M sparsity math: masks, flip rate, the MVUE 2:4 estimator. No autodiff rules here.
 
 Convention (DESIGN.md section 4): W is [out, in]; y = x W^T contracts over `in`, so the
-groups of M consecutive entries run along the *last* axis.
+groups of M consecutive entries run along the *last* axis. Every function is vectorised and
+jit-friendly: shapes and the small combinatorial tables (the 90 transposable patterns, the
+column subsets of VENOM) are static, so nothing loops over data at trace or run time.
+
+Public contract (DESIGN.md section 7): `nm_mask`, `transposable_mask`, `flip_rate`, `mvue24`,
+`venom_mask`. The other public helpers (`transposable_kept_ratio`, `mvue24_inclusion_prob`,
+`mvue24_variance`, `venom_select`, `TRANSPOSABLE_PATTERNS`) exist for reporting, kernels and
+tests.
 """
 from __future__ import annotations
 
+import functools
+import itertools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+# ----------------------------------------------------------------------------------------
+# Shared helpers
+# ----------------------------------------------------------------------------------------
 
 
 def _check_groupable(x: jax.Array, m: int, what: str = "last axis") -> None:
+  """Raises a ValueError that names the offending dimension when it is not a multiple of m."""
   if x.ndim < 1 or x.shape[-1] % m:
     raise ValueError(
         f"N:M sparsity needs the {what} to be a multiple of {m}; got shape {tuple(x.shape)} "
         f"(dimension {x.shape[-1] if x.ndim else None} is not divisible by {m}).")
 
 
+def _check_axis_multiple(x: jax.Array, axis: int, m: int, what: str) -> None:
+  """Like `_check_groupable` for any (negative) axis; the message names axis and size."""
+  if x.ndim < -axis:
+    raise ValueError(
+        f"{what} needs an array with at least {-axis} dimensions; got shape {tuple(x.shape)}.")
+  if x.shape[axis] % m:
+    raise ValueError(
+        f"{what} needs axis {axis} to be a multiple of {m}; got shape {tuple(x.shape)} "
+        f"(dimension {x.shape[axis]} at axis {axis} is not divisible by {m}).")
+
+
+def _rank_desc(g: jax.Array) -> jax.Array:
+  """Descending rank of every entry within its group (last axis), ties to the lower index.
+
+  rank[i] = number of entries that beat entry i: larger, or equal with a lower index. A
+  pairwise comparison instead of a sort: groups are tiny (m = 4 or 8), it fuses into one
+  elementwise kernel, and the tie rule is explicit, so exactly n entries have rank < n.
+  """
+  m = g.shape[-1]
+  a = g[..., :, None]                                             # (..., G, m, 1) entry i
+  b = g[..., None, :]                                             # (..., G, 1, m) entry j
+  idx = jnp.arange(m)
+  lower = idx[None, :] < idx[:, None]                             # (m, m) j < i
+  beats = (b > a) | ((b == a) & lower)                            # (..., G, m, m)
+  return beats.sum(-1)                                            # (..., G, m)
+
+
+# ----------------------------------------------------------------------------------------
+# Hard-threshold N:M mask and flip rate
+# ----------------------------------------------------------------------------------------
+
+
 def nm_mask(w: jax.Array, n: int = 2, m: int = 4) -> jax.Array:
   """Bool mask keeping the n largest |w| in every group of m along the last axis.
 
-  Ties go to the lower index (a stable ranking), so exactly n entries are kept per group.
+  Ties go to the lower index (a stable ranking), so exactly n entries are kept per group,
+  which is what a compressed N:M storage format needs: a fixed count per group.
   """
+  if not 0 <= n <= m:
+    raise ValueError(f"nm_mask needs 0 <= n <= m; got n={n}, m={m}.")
   _check_groupable(w, m)
   g = jnp.abs(w).reshape(*w.shape[:-1], w.shape[-1] // m, m)   # (..., K/m, m)
-  # rank[i] = number of entries that beat entry i: larger, or equal with a lower index.
-  a = g[..., :, None]                                             # (..., K/m, m, 1) entry i
-  b = g[..., None, :]                                             # (..., K/m, 1, m) entry j
-  idx = jnp.arange(m)
-  lower = idx[None, :] < idx[:, None]                             # j < i
-  beats = (b > a) | ((b == a) & lower)
-  rank = beats.sum(-1)                                            # (..., K/m, m)
-  return (rank < n).reshape(w.shape)
+  return (_rank_desc(g) < n).reshape(w.shape)                    # (..., K)
 
 
 def flip_rate(mask_new: jax.Array, mask_old: jax.Array) -> jax.Array:
   """Fraction of entries whose mask bit changed between two steps (DESIGN.md: r_t)."""
   return jnp.mean((mask_new != mask_old).astype(jnp.float32))
+
+
+# ----------------------------------------------------------------------------------------
+# Transposable 2:4 mask ("mask by convolution", Hu et al. 2024)
+# ----------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _transposable_patterns_np() -> np.ndarray:
+  """The 90 binary 4x4 patterns with exactly two ones in every row and every column.
+
+  Order (it decides ties, so it is part of the behaviour): each row picks a pair of columns
+  from `itertools.combinations(range(4), 2)` = (0,1),(0,2),(0,3),(1,2),(1,3),(2,3); the
+  patterns are `itertools.product` of those choices for rows 0..3 (row 0 varies slowest),
+  keeping those whose column sums are all 2. Pattern 0 is therefore rows (0,1),(0,1),(2,3),(2,3).
+  """
+  pairs = list(itertools.combinations(range(4), 2))
+  rows = np.zeros((len(pairs), 4), np.int8)                      # (6, 4)
+  for k, (i, j) in enumerate(pairs):
+    rows[k, [i, j]] = 1
+  choice = np.array(list(itertools.product(range(len(pairs)), repeat=4)))  # (1296, 4)
+  pats = rows[choice]                                            # (1296, 4, 4)
+  pats = pats[(pats.sum(axis=1) == 2).all(axis=1)]               # (90, 4, 4)
+  assert pats.shape == (90, 4, 4), pats.shape
+  pats.setflags(write=False)
+  return pats
+
+
+TRANSPOSABLE_PATTERNS: np.ndarray = _transposable_patterns_np()  # (90, 4, 4) int8, read-only
+
+
+def _check_transposable(w: jax.Array) -> None:
+  """Both of the last two axes must split into 4x4 blocks; name the one that does not."""
+  if w.ndim < 2:
+    raise ValueError(
+        f"transposable_mask needs an array with at least 2 dimensions (..., R, C); got shape "
+        f"{tuple(w.shape)}.")
+  for axis, name in ((-2, "rows R"), (-1, "columns C")):
+    if w.shape[axis] % 4:
+      raise ValueError(
+          f"transposable_mask needs the {name} (axis {axis}) to be a multiple of 4; got shape "
+          f"{tuple(w.shape)} (dimension {w.shape[axis]} is not divisible by 4).")
+
+
+def transposable_mask(w: jax.Array) -> jax.Array:
+  """Bool mask that is 2:4 along both of the last two axes of w (..., R, C).
+
+  Why: the backward GEMM dX = dY W~ contracts over `out`, so it runs on sparse tensor cores
+  only if W~ is also 2:4 along `out`, i.e. the mask of W^T is 2:4 too.
+
+  For every 4x4 block B of |w| it picks, among the 90 doubly-2:4 patterns P, the one that
+  maximises sum(P * B). All scores of all blocks are one matmul [90, 16] x [16, blocks]
+  followed by an argmax over the 90 ("mask by convolution", Hu et al. 2024: a stride-4
+  convolution with 90 filters). Ties go to the lowest pattern index in the order documented
+  in `_transposable_patterns_np` (argmax returns the first maximum). Scores are computed in
+  float32 at HIGHEST precision so a GPU does not round them through TF32.
+  """
+  _check_transposable(w)
+  *lead, r, c = w.shape
+  a = jnp.abs(w).astype(jnp.float32)
+  blocks = a.reshape(*lead, r // 4, 4, c // 4, 4)                # (..., R/4, 4, C/4, 4)
+  blocks = jnp.swapaxes(blocks, -3, -2)                          # (..., R/4, C/4, 4, 4)
+  flat = blocks.reshape(-1, 16)                                  # (NB, 16)
+  pats = jnp.asarray(TRANSPOSABLE_PATTERNS.reshape(90, 16), jnp.float32)  # (90, 16)
+  scores = jnp.matmul(pats, flat.T, precision=jax.lax.Precision.HIGHEST)  # (90, NB)
+  best = jnp.argmax(scores, axis=0)                              # (NB,)
+  chosen = jnp.asarray(TRANSPOSABLE_PATTERNS, jnp.bool_)[best]   # (NB, 4, 4)
+  chosen = chosen.reshape(*lead, r // 4, c // 4, 4, 4)           # (..., R/4, C/4, 4, 4)
+  return jnp.swapaxes(chosen, -3, -2).reshape(w.shape)           # (..., R, C)
+
+
+def transposable_kept_ratio(w: jax.Array) -> jax.Array:
+  """Kept |w| mass of `transposable_mask` over that of the row-wise 2:4 `nm_mask` (<= 1).
+
+  The price of transposability, for reporting: the row-wise mask is the unconstrained
+  optimum per group, so the ratio is at most 1. Returns 1 for an all-zero w (no mass lost).
+  """
+  a = jnp.abs(w).astype(jnp.float32)
+  kept_t = jnp.sum(jnp.where(transposable_mask(w), a, 0.0))
+  kept_r = jnp.sum(jnp.where(nm_mask(w), a, 0.0))
+  return jnp.where(kept_r > 0, kept_t / jnp.where(kept_r > 0, kept_r, 1.0), 1.0)
+
+
+# ----------------------------------------------------------------------------------------
+# MVUE 2:4 estimator (unbiased, stochastic)
+# ----------------------------------------------------------------------------------------
+
+# Relative eps: a_i = |x_i| + MVUE_REL_EPS * max_j |x_j| + tiny, per group of four.
+# Any eps > 0 keeps the estimator exactly unbiased for every x: every p_i > 0, so each entry
+# is kept with positive probability and E[keep_i * x_i / p_i] = p_i * x_i / p_i = x_i. (Zero
+# entries may be drawn; they are then kept as 0 / p_i = 0, so an all-zero group yields zeros.)
+# Making eps relative to the group max keeps the estimator scale invariant (MVUE(c x) has the
+# law of c MVUE(x)), so tiny gradients are not sampled near-uniformly as an absolute eps
+# would force, while 1e-6 keeps p_i >= ~2.5e-7 and |x_i / p_i| <= S (see `mvue24`). The
+# `tiny` (smallest normal float32) only matters for all-zero or denormal groups, where it
+# makes the draw uniform (p_i = 1/2) instead of 0/0.
+MVUE_REL_EPS = 1e-6
+_TINY = float(np.finfo(np.float32).tiny)
+
+
+def _mvue24_weights(x: jax.Array) -> jax.Array:
+  """a_i = |x_i| + eps per group of four, float32, shape (..., K/4, 4)."""
+  _check_groupable(x, 4)
+  g = jnp.abs(x.astype(jnp.float32)).reshape(*x.shape[:-1], x.shape[-1] // 4, 4)  # (..., K/4, 4)
+  eps = MVUE_REL_EPS * jnp.max(g, axis=-1, keepdims=True) + _TINY  # (..., K/4, 1)
+  return g + eps                                                  # (..., K/4, 4)
+
+
+def _inclusion_prob_grouped(a: jax.Array) -> jax.Array:
+  """p_i = a_i/S + sum_{j != i} (a_j/S) a_i/(S - a_j) for weights a (..., G, 4)."""
+  s = jnp.sum(a, axis=-1, keepdims=True)                         # (..., G, 1)
+  # Every sum below is over off-diagonal terms picked by a 0/1 mask, never "total minus own
+  # term": when one a_j dominates (e.g. [1, 0, 0, 0]) a subtraction would cancel
+  # catastrophically in float32 and cost ~1e-5 of p_i.
+  off = ~jnp.eye(4, dtype=jnp.bool_)                             # (4, 4) [i, j]: j != i
+  rest = jnp.sum(jnp.where(off, a[..., None, :], 0.0), -1)       # (..., G, 4) S - a_i
+  q = a / s                                                      # (..., G, 4) first-draw prob
+  t = q / rest                                                   # (..., G, 4) q_j / (S - a_j)
+  second = a * jnp.sum(jnp.where(off, t[..., None, :], 0.0), -1)  # (..., G, 4)
+  return q + second                                              # (..., G, 4)
+
+
+def mvue24_inclusion_prob(x: jax.Array) -> jax.Array:
+  """Probability p_i that `mvue24` keeps entry i (float32, same shape as x); sums to 2 per group."""
+  p = _inclusion_prob_grouped(_mvue24_weights(x))                # (..., K/4, 4)
+  return p.reshape(x.shape)
+
+
+def mvue24_variance(x: jax.Array) -> jax.Array:
+  """Exact per-entry variance of `mvue24(key, x)`: x_i^2 (1/p_i - 1) (float32, x's shape)."""
+  p = mvue24_inclusion_prob(x)
+  xf = x.astype(jnp.float32)
+  return xf * xf * (1.0 / p - 1.0)
+
+
+def mvue24(key: jax.Array, x: jax.Array) -> jax.Array:
+  """Unbiased stochastic 2:4 estimate of x along the last axis: E[mvue24(key, x)] = x.
+
+  Why: the weight gradient dW = dY^T x contracts over tokens; making dY^T 2:4 along tokens
+  with an *unbiased* estimator lets that GEMM run sparse without biasing SGD (S-STE, Hu et al.).
+
+  Per group of four, with a_i = |x_i| + eps (see MVUE_REL_EPS) and S = sum a_i: draw a first
+  index with probability a_i/S, then a second from the remaining three with probability
+  proportional to a_j; keep the two drawn entries as x_i / p_i with p_i the inclusion
+  probability (`mvue24_inclusion_prob`), zero the rest. Sampling uses the Gumbel top-2 trick:
+  the two largest of log a_i + Gumbel_i are distributed exactly as that successive draw
+  without replacement. Exactly two positions are drawn per group; an output can still have
+  fewer non-zeros when a drawn x_i is 0. Since |x_i| <= a_i and p_i >= a_i/S, every kept value
+  is bounded by S (no overflow, also in bfloat16).
+
+  Args:
+    key: a jax PRNG key.
+    x: (..., K), K a multiple of 4, float32 or bfloat16.
+
+  Returns:
+    Array of x's shape and dtype (computed in float32), at most two non-zeros per group.
+  """
+  a = _mvue24_weights(x)                                         # (..., K/4, 4)
+  p = _inclusion_prob_grouped(a)                                 # (..., K/4, 4)
+  gumbel = jax.random.gumbel(key, a.shape, jnp.float32)          # (..., K/4, 4)
+  keep = _rank_desc(jnp.log(a) + gumbel) < 2                     # (..., K/4, 4)
+  xg = x.astype(jnp.float32).reshape(a.shape)                    # (..., K/4, 4)
+  out = jnp.where(keep, xg / p, 0.0)                             # (..., K/4, 4)
+  return out.reshape(x.shape).astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------
+# V:N:M (VENOM) mask
+# ----------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _column_subsets_np(m: int) -> np.ndarray:
+  """All C(m, 4) sorted 4-subsets of range(m), lexicographic (itertools) order: (S, 4) int32."""
+  subs = np.array(list(itertools.combinations(range(m), 4)), np.int32)
+  subs.setflags(write=False)
+  return subs
+
+
+def _top_n_sum4(cols: list[jax.Array], n: int) -> jax.Array:
+  """Sum of the n largest of four same-shaped non-negative arrays, elementwise.
+
+  Max over the C(4, n) <= 6 n-subsets of their sums: pure elementwise max/add, so XLA fuses
+  it with the gathers and the reduction over rows instead of materialising a sort.
+  """
+  if n == 0:
+    return jnp.zeros_like(cols[0])
+  best = None
+  for combo in itertools.combinations(range(4), n):   # static, <= 6 terms
+    s = functools.reduce(jnp.add, [cols[k] for k in combo])
+    best = s if best is None else jnp.maximum(best, s)
+  return best
+
+
+def _check_venom(x: jax.Array, v: int, n: int, m: int) -> None:
+  if v < 1:
+    raise ValueError(f"venom_mask needs v >= 1; got v={v}.")
+  if m < 4:
+    raise ValueError(f"venom_mask chooses 4 columns per block, so it needs m >= 4; got m={m}.")
+  if not 0 <= n <= 4:
+    raise ValueError(f"venom_mask keeps n of the 4 chosen columns, so 0 <= n <= 4; got n={n}.")
+  if x.ndim < 2:
+    raise ValueError(
+        f"venom_mask needs an array with at least 2 dimensions (..., R, C); got shape "
+        f"{tuple(x.shape)}.")
+  if x.shape[-2] % v:
+    raise ValueError(
+        f"venom_mask needs the rows R (axis -2) to be a multiple of v={v}; got shape "
+        f"{tuple(x.shape)} (dimension {x.shape[-2]} is not divisible by {v}).")
+  if x.shape[-1] % m:
+    raise ValueError(
+        f"venom_mask needs the columns C (axis -1) to be a multiple of m={m}; got shape "
+        f"{tuple(x.shape)} (dimension {x.shape[-1]} is not divisible by {m}).")
+
+
+def venom_select(x: jax.Array, v: int, n: int = 2, m: int = 8) -> tuple[jax.Array, jax.Array]:
+  """V:N:M mask plus the chosen columns: the metadata a VENOM kernel needs.
+
+  x (..., R, C) is split into blocks of v rows (axis -2) by m columns (axis -1, the
+  contraction axis). In each block 4 columns are chosen, shared by the v rows, and inside
+  them every row keeps its n largest |x| (plain n:4 on the condensed v x 4 block). The 4
+  columns maximise the kept magnitude of that final mask *exactly*: every one of the C(m, 4)
+  subsets (70 for m = 8) is scored as sum over rows of the row's top-n |x| within the subset,
+  and the argmax wins (ties: lowest subset index, itertools.combinations order). Per-column
+  sums would be cheaper but are not the optimum once rows disagree.
+
+  Returns:
+    mask: bool, x's shape; n non-zeros per row in every block (density n/m).
+    col_idx: int32 (..., R/v, C/m, 4), the chosen columns of every block, sorted, in [0, m).
+  """
+  _check_venom(x, v, n, m)
+  *lead, r, c = x.shape
+  a = jnp.abs(x).astype(jnp.float32)
+  blk = a.reshape(*lead, r // v, v, c // m, m)                   # (..., R/v, v, C/m, m)
+  blk = jnp.swapaxes(blk, -3, -2)                                # (..., R/v, C/m, v, m)
+  subs = _column_subsets_np(m)                                   # (S, 4)
+  cols = [blk[..., subs[:, k]] for k in range(4)]                # 4 x (..., R/v, C/m, v, S)
+  score = _top_n_sum4(cols, n).sum(axis=-2)                      # (..., R/v, C/m, S)
+  best = jnp.argmax(score, axis=-1)                              # (..., R/v, C/m)
+  col_idx = jnp.asarray(subs)[best]                              # (..., R/v, C/m, 4)
+  cond = jnp.take_along_axis(blk, col_idx[..., None, :], axis=-1)  # (..., R/v, C/m, v, 4)
+  keep = _rank_desc(cond) < n                                    # (..., R/v, C/m, v, 4)
+  onehot = col_idx[..., None, :, None] == jnp.arange(m)          # (..., R/v, C/m, 1, 4, m)
+  mask = jnp.any(onehot & keep[..., None], axis=-2)              # (..., R/v, C/m, v, m)
+  mask = jnp.swapaxes(mask, -3, -2).reshape(x.shape)             # (..., R, C)
+  return mask, col_idx.astype(jnp.int32)
+
+
+def venom_mask(x: jax.Array, v: int, n: int = 2, m: int = 8) -> jax.Array:
+  """Bool V:N:M mask of x (..., R, C): row blocks of v along axis -2; see `venom_select`."""
+  return venom_select(x, v, n, m)[0]
