@@ -1,0 +1,14 @@
+"""2:4 FFN weights, hard threshold, plain straight-through estimator (no decay).
+
+  python launch.py --config experiments/gpt2_ste.py:tiny --workdir runs/ste_tiny
+
+Expected (tiny): trains, val loss a little above dense; the flip rate stays high because
+nothing discourages pruned weights from crossing the threshold (what SR-STE fixes).
+"""
+from s24jax.config import apply_variant, base_config
+
+
+def get_config(variant=None):
+  config = base_config()
+  config.sparsity.projection = "ste"
+  return apply_variant(config, variant)

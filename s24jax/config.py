@@ -1,0 +1,170 @@
+"""The base experiment config, its size variants, and the frozen dataclasses the model sees.
+
+Experiment files in `experiments/` are a few overrides over `base_config()`:
+
+    def get_config(arg=None):
+      config = base_config()
+      config.sparsity.projection = 's_ste'
+      return apply_variant(config, arg)
+
+The mutable `ml_collections.ConfigDict` lives only in launch/config land; `ModelConfig` and
+`SparsityConfig` (frozen, hashable) are what the model and the jitted steps close over.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import ml_collections
+
+from s24jax import data as data_lib
+
+# GPT-2 sizes from DESIGN.md section 6: (layers, heads, width).
+GPT2_SIZES = {
+    "124m": (12, 12, 768),
+    "350m": (24, 16, 1024),
+    "774m": (36, 20, 1280),
+    "1558m": (48, 25, 1600),
+}
+VARIANTS = ("tiny",) + tuple(GPT2_SIZES)
+ACTIVATIONS = ("gelu", "relu", "relu2", "geglu", "swiglu")
+DECAY_PLACEMENTS = ("gradients", "weights", "backward")
+
+
+@dataclasses.dataclass(frozen=True)
+class SparsityConfig:
+  """Which layers are 2:4 sparse and how (DESIGN.md section 4)."""
+  projection: str = "dense"
+  # Glob patterns over module paths ('h_3/mlp/fc'); matching linear layers are sparse.
+  sparse_layers: tuple[str, ...] = ("*/mlp/*",)
+  decay: float = 0.0                   # SR-STE masked decay factor lambda_W
+  decay_placement: str = "gradients"   # 'gradients' (Hu et al.), 'weights', 'backward'
+  dense_finetune_fraction: float = 0.0  # last fraction of steps trained dense
+  backend: str = "xla"                 # the sparse matmul implementation
+
+  def __post_init__(self):
+    if self.decay_placement not in DECAY_PLACEMENTS:
+      raise ValueError(f"unknown sparsity.decay_placement {self.decay_placement!r}; valid: "
+                       f"{', '.join(DECAY_PLACEMENTS)}")
+    if not 0.0 <= self.dense_finetune_fraction <= 1.0:
+      raise ValueError("sparsity.dense_finetune_fraction must be in [0, 1], got "
+                       f"{self.dense_finetune_fraction}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """GPT-2 hyper-parameters (frozen: the model closes over it)."""
+  vocab_size: int = 50304     # GPT-2's 50257 padded to a multiple of 64
+  seq_len: int = 1024
+  num_layers: int = 12
+  num_heads: int = 12
+  d_model: int = 768
+  mlp_ratio: float = 4.0
+  activation: str = "gelu"
+  dtype: str = "float32"      # compute dtype; parameters stay float32
+  sparsity: SparsityConfig = SparsityConfig()
+
+  @property
+  def mlp_hidden(self) -> int:
+    return int(self.mlp_ratio * self.d_model)
+
+  def __post_init__(self):
+    if self.activation not in ACTIVATIONS:
+      raise ValueError(f"unknown model.activation {self.activation!r}; valid: "
+                       f"{', '.join(ACTIVATIONS)}")
+    if self.d_model % self.num_heads:
+      raise ValueError(f"model.d_model={self.d_model} is not divisible by "
+                       f"model.num_heads={self.num_heads}")
+
+
+def _fields(cls, cfg) -> dict[str, Any]:
+  names = {f.name for f in dataclasses.fields(cls)}
+  unknown = set(cfg.keys()) - names
+  if unknown:
+    raise ValueError(f"unknown {cls.__name__} fields {sorted(unknown)}; valid: {sorted(names)}")
+  return {k: (tuple(v) if isinstance(v, list) else v) for k, v in cfg.items()}
+
+
+def sparsity_config(config: ml_collections.ConfigDict) -> SparsityConfig:
+  return SparsityConfig(**_fields(SparsityConfig, config.sparsity))
+
+
+def model_config(config: ml_collections.ConfigDict, *, dense: bool = False) -> ModelConfig:
+  """The frozen model config; `dense=True` gives the dense fine-tuning twin."""
+  sparsity = sparsity_config(config)
+  if dense:
+    sparsity = dataclasses.replace(sparsity, projection="dense")
+  kwargs = _fields(ModelConfig, {k: v for k, v in config.model.items()})
+  return ModelConfig(**kwargs, sparsity=sparsity)
+
+
+def base_config() -> ml_collections.ConfigDict:
+  """GPT-2 124M, Hu et al. 2024 recipe (DESIGN.md section 6), dense, embedded corpus."""
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+  c.total_steps = 300_000
+  c.batch_size = 512              # sequences per step (global, split over devices)
+  c.grad_accum_steps = 1          # micro-batches per step (memory, not math)
+
+  c.model = ml_collections.ConfigDict()
+  c.model.vocab_size = 50304
+  c.model.seq_len = 1024
+  c.model.num_layers, c.model.num_heads, c.model.d_model = GPT2_SIZES["124m"]
+  c.model.mlp_ratio = 4.0
+  c.model.activation = "gelu"
+  c.model.dtype = "auto"          # bfloat16 on GPU/TPU, float32 on CPU
+
+  c.sparsity = ml_collections.ConfigDict(dataclasses.asdict(SparsityConfig()))
+  c.sparsity.sparse_layers = ("*/mlp/*",)
+
+  c.optim = ml_collections.ConfigDict()
+  c.optim.lr = 1.5e-4
+  c.optim.min_lr = 1e-5
+  c.optim.warmup_steps = 3000
+  c.optim.b1 = 0.9
+  c.optim.b2 = 0.95
+  c.optim.eps = 1e-8
+  c.optim.weight_decay = 0.1      # matrices only
+  c.optim.grad_clip = 1.0
+
+  c.data = data_lib.default_data_config()
+
+  c.eval_every = 1000
+  c.eval_batches = 20
+  c.log_every = 50
+  c.checkpoint_every = 2000
+  c.keep_checkpoints = 3
+  c.plot_every = 0                # 0: plot at evals and at the end
+  c.peak_flops = 0.0              # per device, for MFU; 0: guess from the device kind
+  c.stop_at_step = -1             # debug/preemption test: leave the loop at this step
+  return c
+
+
+def apply_variant(c: ml_collections.ConfigDict, variant: str | None) -> ml_collections.ConfigDict:
+  """Applies a size variant: None/'124m' (paper scale), '350m', '774m', '1558m', 'tiny'.
+
+  'tiny' is a CPU smoke recipe: a 4-layer, 128-wide GPT-2 that trains in a few minutes on
+  two cores and ends well below the unigram entropy of the embedded corpus.
+  """
+  variant = variant or "124m"
+  if variant not in VARIANTS:
+    raise ValueError(f"unknown config variant {variant!r}; valid: {', '.join(VARIANTS)}")
+  if variant in GPT2_SIZES:
+    c.model.num_layers, c.model.num_heads, c.model.d_model = GPT2_SIZES[variant]
+    if variant in ("350m", "1558m"):
+      c.sparsity.decay = 2e-4 if c.sparsity.decay else 0.0   # Hu et al.'s per-size lambda_W
+    return c
+  # tiny
+  c.total_steps = 600
+  c.batch_size = 16
+  c.model.seq_len = 64
+  c.model.num_layers, c.model.num_heads, c.model.d_model = 2, 4, 128
+  c.optim.lr = 3e-3
+  c.optim.min_lr = 3e-4
+  c.optim.warmup_steps = 50
+  c.optim.weight_decay = 0.1
+  c.eval_every = 100
+  c.eval_batches = 8
+  c.log_every = 10
+  c.checkpoint_every = 100
+  return c

@@ -1,0 +1,131 @@
+"""Metric writers (JSONL, TensorBoard), the loss/flip-rate plot, MFU.
+
+The workdir gets `metrics.jsonl` (one record per logged step or eval), TensorBoard event
+files under `tensorboard/`, and `metrics.png`.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any, Iterable
+
+import jax
+import numpy as np
+
+# Dense bf16 peak FLOP/s per device, for MFU when config.peak_flops is 0.
+PEAK_FLOPS = {"h100": 989e12, "h200": 989e12, "a100": 312e12, "v100": 125e12,
+              "l4": 121e12, "a10": 125e12}
+
+
+def device_peak_flops(device: jax.Device | None = None) -> float | None:
+  kind = (device or jax.devices()[0]).device_kind.lower()
+  for name, peak in PEAK_FLOPS.items():
+    if name in kind:
+      return peak
+  return None
+
+
+def mfu(tokens_per_sec: float, flops_per_token: float, peak_per_device: float | None,
+        num_devices: int) -> float | None:
+  """Model FLOPs utilisation in [0, 1]: achieved training FLOP/s over peak (dense count)."""
+  if not peak_per_device:
+    return None
+  return tokens_per_sec * flops_per_token / (peak_per_device * num_devices)
+
+
+class MetricWriter:
+  """Writes scalars to JSONL and TensorBoard (appending on resume, never truncating)."""
+
+  def __init__(self, workdir: str, *, tensorboard: bool = True):
+    self.workdir = workdir
+    os.makedirs(workdir, exist_ok=True)
+    self.jsonl_path = os.path.join(workdir, "metrics.jsonl")
+    self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")
+    self._tb = None
+    if tensorboard:
+      from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+      self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+
+  def write(self, step: int, scalars: dict[str, Any]) -> None:
+    record = {"step": int(step)}
+    for k, v in scalars.items():
+      if v is None:
+        continue
+      v = float(v)
+      record[k] = v
+      if self._tb is not None and math.isfinite(v):
+        self._tb.add_scalar(k, v, int(step))
+    self._jsonl.write(json.dumps(record) + "\n")
+    self._jsonl.flush()
+
+  def write_text(self, tag: str, text: str) -> None:
+    if self._tb is not None:
+      self._tb.add_text(tag, text, 0)
+
+  def flush(self) -> None:
+    self._jsonl.flush()
+    if self._tb is not None:
+      self._tb.flush()
+
+  def close(self) -> None:
+    self.flush()
+    self._jsonl.close()
+    if self._tb is not None:
+      self._tb.close()
+
+
+def read_jsonl(path: str) -> list[dict[str, float]]:
+  """Records of a metrics log; for a step logged twice (a resumed run) the last one wins."""
+  by_key: dict[tuple[int, tuple[str, ...]], dict] = {}
+  with open(path, encoding="utf-8") as f:
+    for line in f:
+      line = line.strip()
+      if line:
+        r = json.loads(line)
+        by_key[(r["step"], tuple(sorted(r)))] = r
+  return sorted(by_key.values(), key=lambda r: r["step"])
+
+
+def series(records: Iterable[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
+  pts = [(r["step"], r[key]) for r in records if key in r]
+  if not pts:
+    return np.zeros(0), np.zeros(0)
+  s, v = zip(*pts)
+  return np.asarray(s), np.asarray(v)
+
+
+def plot(jsonl_path: str, png_path: str, *, title: str = "") -> str:
+  """Train/val loss and (global and per-layer) flip rate against step, as a PNG."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  records = read_jsonl(jsonl_path)
+  fig, (ax_loss, ax_flip) = plt.subplots(1, 2, figsize=(12, 4.5))
+  for key, style in (("train/loss", "-"), ("val/loss", "o-")):
+    s, v = series(records, key)
+    if len(s):
+      ax_loss.plot(s, v, style, label=key, markersize=3)
+  s, v = series(records, "data/unigram_entropy")
+  if len(v):
+    ax_loss.axhline(v[-1], color="gray", ls="--", lw=1, label="unigram entropy")
+  ax_loss.set_xlabel("step"), ax_loss.set_ylabel("loss (nats/token)"), ax_loss.legend()
+  layer_keys = sorted({k for r in records for k in r if k.startswith("train/flip_rate/")})
+  for k in layer_keys:
+    s, v = series(records, k)
+    ax_flip.plot(s, v, lw=0.7, alpha=0.5, label=k.split("train/flip_rate/")[1])
+  s, v = series(records, "train/flip_rate")
+  if len(s):
+    ax_flip.plot(s, v, "k-", lw=2, label="all sparse layers")
+    ax_flip.set_yscale("log")
+  ax_flip.set_xlabel("step"), ax_flip.set_ylabel("flip rate")
+  if layer_keys or len(s):
+    ax_flip.legend(fontsize=6, ncol=2)
+  else:
+    ax_flip.text(0.5, 0.5, "no sparse layers", ha="center", transform=ax_flip.transAxes)
+  fig.suptitle(title)
+  fig.tight_layout()
+  fig.savefig(png_path, dpi=110)
+  plt.close(fig)
+  return png_path

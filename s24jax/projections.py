@@ -1,0 +1,220 @@
+"""2:4 projections W -> S(W) as `jax.custom_vjp` functions, and their registry.
+
+A projection turns the dense latent weight W ([out, in], groups of 4 along `in`) into the
+weight the forward pass uses. Its backward rule is what distinguishes the methods
+(DESIGN.md section 4). Each projection is a `Projection`:
+
+  apply(w, state, cfg) -> w~   the custom_vjp projection; `state` is the per-tensor sparsity
+                               state (e.g. the S-STE scale beta), a dict of arrays; `cfg`
+                               the frozen `SparsityConfig` (hyper-parameters)
+  init_state(w) -> state       computed once from the initial weight, kept in the train state
+                               (so it is checkpointed and restored unchanged)
+  mask(w) -> bool mask         the support of apply(w, state) (for flip rate and masked decay)
+
+A notebook adds one with `register_projection(name, fn)`, where `fn` is either a
+`Projection` or a plain `fn(w) -> w_tilde` (usually itself a custom_vjp); training with it
+is then `--config.sparsity.projection=name`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+
+from s24jax import masks
+
+State = Mapping[str, jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class Projection:
+  """A named 2:4 projection: forward map with its backward rule, state and mask."""
+  name: str
+  apply: Callable[[jax.Array, State, Any], jax.Array]
+  init_state: Callable[[jax.Array], dict[str, jax.Array]] = lambda w: {}
+  mask: Callable[[jax.Array], jax.Array] = masks.nm_mask
+  # True when apply(w) is dense (no 2:4 constraint, no mask to monitor).
+  is_dense: bool = False
+  doc: str = ""
+
+
+# ---------------------------------------------------------------------------------------------
+# dense: identity.
+
+
+def _dense_apply(w, state, cfg):
+  del state, cfg
+  return w
+
+
+# ---------------------------------------------------------------------------------------------
+# ste: hard threshold forward, identity backward.
+
+
+@jax.custom_vjp
+def ste24(w: jax.Array) -> jax.Array:
+  """Hard-threshold 2:4 with the straight-through estimator.
+
+  Forward: W~ = m(W) * W, m keeps the two largest |w| of every 4 along the last axis.
+  Backward: dL/dW := dL/dW~ (identity; pruned weights get the gradient too, which is what
+  lets the mask change).
+  """
+  return jnp.where(masks.nm_mask(w), w, 0)
+
+
+def _ste24_fwd(w):
+  return ste24(w), None
+
+
+def _ste24_bwd(_, g):
+  return (g,)
+
+
+ste24.defvjp(_ste24_fwd, _ste24_bwd)
+
+# ---------------------------------------------------------------------------------------------
+# sr_ste: hard threshold forward, STE + masked decay backward.
+
+
+@jax.custom_vjp
+def sr_ste24(w: jax.Array, decay: jax.Array) -> jax.Array:
+  """SR-STE (Zhou et al. 2021) with the masked decay inside the backward pass.
+
+  Forward: W~ = m(W) * W. Backward: dL/dW := dL/dW~ + decay * (1 - m(W)) * W.
+  This is the SGD form of SR-STE. With Adam, Hu et al. 2024 move the decay term out of the
+  backward, into the optimizer (`s24jax.optim`); `sparsity.decay_placement` picks where,
+  and `decay` is 0 here unless the placement is 'backward'. `decay` is a hyper-parameter
+  (possibly chosen during warm-up, so an array): its cotangent is zero.
+  """
+  return jnp.where(masks.nm_mask(w), w, 0)
+
+
+def _sr_ste24_fwd(w, decay):
+  m = masks.nm_mask(w)
+  return jnp.where(m, w, 0), (w, m, decay)
+
+
+def _sr_ste24_bwd(res, g):
+  w, m, decay = res
+  dw = g + (decay * jnp.where(m, 0, w)).astype(g.dtype)
+  return dw, jnp.zeros_like(decay)
+
+
+sr_ste24.defvjp(_sr_ste24_fwd, _sr_ste24_bwd)
+
+
+# ---------------------------------------------------------------------------------------------
+# s_ste: continuous soft threshold with a fixed per-tensor scale.
+
+
+def soft_threshold24(w: jax.Array) -> jax.Array:
+  """S-STE soft threshold S(w) per group of 4 along the last axis.
+
+  t = the second-smallest |w_i| of the group; S(w)_i = sign(w_i) * max(|w_i| - t, 0).
+  The two largest entries survive, shrunk by t; S is continuous in w (the hard threshold
+  jumps when two magnitudes cross, this does not).
+  """
+  masks._check_groupable(w, 4)  # pylint: disable=protected-access
+  g = w.reshape(*w.shape[:-1], w.shape[-1] // 4, 4)            # (..., K/4, 4)
+  a = jnp.abs(g)
+  t = jnp.sort(a, axis=-1)[..., 1:2]                             # (..., K/4, 1)
+  s = jnp.sign(g) * jnp.maximum(a - t, 0)
+  return s.reshape(w.shape)
+
+
+def s_ste_scale(w: jax.Array) -> jax.Array:
+  """beta = <w, S(w)> / <S(w), S(w)>: the least-squares scale of S(w) towards w.
+
+  Computed once at initialisation and then frozen (recomputing it every step makes it
+  grow, Hu, Zhu, Chen 2024). Returns a float32 scalar; 1.0 when S(w) is all zeros.
+  """
+  w32 = w.astype(jnp.float32)
+  s = soft_threshold24(w32)
+  num = jnp.vdot(w32, s)
+  den = jnp.vdot(s, s)
+  return jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 1.0)
+
+
+@jax.custom_vjp
+def s_ste24(w: jax.Array, scale: jax.Array) -> jax.Array:
+  """S-STE forward beta * S(w); straight-through backward dL/dW := dL/d(beta S(w)).
+
+  The gradient is *not* multiplied by beta (or by dS/dw): it passes straight through, as
+  in the S-STE paper. `scale` is frozen state, so its cotangent is zero.
+  """
+  return (scale * soft_threshold24(w)).astype(w.dtype)
+
+
+def _s_ste24_fwd(w, scale):
+  return s_ste24(w, scale), scale
+
+
+def _s_ste24_bwd(scale, g):
+  return g, jnp.zeros_like(scale)
+
+
+s_ste24.defvjp(_s_ste24_fwd, _s_ste24_bwd)
+
+
+# ---------------------------------------------------------------------------------------------
+# Registry.
+
+_REGISTRY: dict[str, Projection] = {}
+
+
+def register_projection(name: str, fn: Projection | Callable[[jax.Array], jax.Array], *,
+                        overwrite: bool = False) -> Projection:
+  """Registers a projection under `name` so configs can select it by name.
+
+  `fn` is a `Projection`, or a plain function w -> w_tilde (stateless; its mask is taken
+  to be the support of its output). Re-registering a name needs overwrite=True, so a
+  typo in a notebook cannot silently replace a built-in.
+  """
+  if name in _REGISTRY and not overwrite:
+    raise ValueError(f"projection {name!r} is already registered; pass overwrite=True "
+                     "to replace it.")
+  if isinstance(fn, Projection):
+    proj = dataclasses.replace(fn, name=name)
+  elif callable(fn):
+    plain = fn
+    proj = Projection(
+        name=name,
+        apply=lambda w, state, cfg: plain(w),
+        mask=lambda w: plain(jax.lax.stop_gradient(w)) != 0,
+        doc=(plain.__doc__ or "").strip())
+  else:
+    raise TypeError(f"register_projection needs a Projection or a callable, got {fn!r}")
+  _REGISTRY[name] = proj
+  return proj
+
+
+def available_projections() -> tuple[str, ...]:
+  """The registered projection names, sorted."""
+  return tuple(sorted(_REGISTRY))
+
+
+def get_projection(name: str) -> Projection:
+  """The projection registered as `name`; an unknown name lists the valid ones."""
+  try:
+    return _REGISTRY[name]
+  except KeyError:
+    raise ValueError(f"unknown projection {name!r}; valid projections: "
+                     f"{', '.join(available_projections())}") from None
+
+
+def _sr_ste_apply(w, state, cfg):
+  decay = state.get("decay", cfg.decay) if cfg.decay_placement == "backward" else 0.0
+  return sr_ste24(w, jnp.asarray(decay, jnp.float32))
+
+
+register_projection("dense", Projection(
+    "dense", _dense_apply, mask=lambda w: jnp.ones(w.shape, bool), is_dense=True,
+    doc="No sparsity: W~ = W."))
+register_projection("ste", Projection(
+    "ste", lambda w, state, cfg: ste24(w), doc=ste24.__doc__))
+register_projection("sr_ste", Projection("sr_ste", _sr_ste_apply, doc=sr_ste24.__doc__))
+register_projection("s_ste", Projection(
+    "s_ste", lambda w, state, cfg: s_ste24(w, state["scale"]),
+    init_state=lambda w: {"scale": s_ste_scale(w)}, doc=s_ste24.__doc__))

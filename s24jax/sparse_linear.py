@@ -1,0 +1,78 @@
+"""The sparse linear layer and the one matmul dispatch point.
+
+Every linear layer of the model is a `SparseLinear`; whether it is 2:4 sparse is decided by
+matching its module path against `SparsityConfig.sparse_layers`. The kernel is stored as
+W [out, in] (DESIGN.md notation) so that the 2:4 groups run along the last axis.
+
+`linear(x, w_tilde, backend=...)` is the single place where y = x W~^T is computed: the
+`xla` backend is the reference; faster backends (Pallas, cuSPARSELt) plug in here.
+"""
+from __future__ import annotations
+
+import fnmatch
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from s24jax import projections
+from s24jax.config import SparsityConfig
+
+BACKENDS = ("xla",)
+
+
+def linear(x: jax.Array, w: jax.Array, *, backend: str = "xla") -> jax.Array:
+  """y = x W^T for x (..., in) and W (out, in), in x's dtype with float32 accumulation."""
+  if backend == "xla":
+    return jnp.einsum("...i,oi->...o", x, w.astype(x.dtype),
+                      preferred_element_type=jnp.float32).astype(x.dtype)
+  raise ValueError(f"unknown sparsity.backend {backend!r}; valid: {', '.join(BACKENDS)}")
+
+
+def is_sparse_path(path: str, sparsity: SparsityConfig) -> bool:
+  """Whether the linear layer at `path` ('h_0/mlp/fc') is sparse under `sparsity`."""
+  if get_projection_for(sparsity).is_dense:
+    return False
+  return any(fnmatch.fnmatchcase(path, pat) for pat in sparsity.sparse_layers)
+
+
+def get_projection_for(sparsity: SparsityConfig) -> projections.Projection:
+  return projections.get_projection(sparsity.projection)
+
+
+class SparseLinear(nn.Module):
+  """y = x S(W)^T + b with W (features, in); S the configured projection if sparse.
+
+  Sparse layers keep their projection state (e.g. the S-STE scale) and the mask of the
+  last step (for the flip rate) in the 'sparsity' collection, next to 'params', so it is
+  sharded and checkpointed with the rest of the train state.
+  """
+  features: int
+  sparsity: SparsityConfig
+  use_bias: bool = True
+  dtype: Any = jnp.float32
+  kernel_init: Callable = nn.initializers.normal(0.02)
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    in_features = x.shape[-1]
+    kernel = self.param("kernel", self.kernel_init, (self.features, in_features))  # (out, in)
+    path = "/".join(self.path)
+    w = kernel
+    if is_sparse_path(path, self.sparsity):
+      if in_features % 4:
+        raise ValueError(f"sparse layer {path!r}: its input dimension (in_features) is "
+                         f"{in_features}, not a multiple of 4, so it cannot be 2:4 sparse "
+                         "along the contraction axis.")
+      proj = get_projection_for(self.sparsity)
+      if self.is_initializing():
+        for name, value in proj.init_state(kernel).items():
+          self.variable("sparsity", name, lambda v=value: v)
+        self.variable("sparsity", "mask", lambda: proj.mask(kernel))
+      state = dict(self.variables.get("sparsity", {}))
+      w = proj.apply(kernel, state, self.sparsity)
+    y = linear(x.astype(self.dtype), w, backend=self.sparsity.backend)  # (..., out)
+    if self.use_bias:
+      y = y + self.param("bias", nn.initializers.zeros, (self.features,)).astype(self.dtype)
+    return y

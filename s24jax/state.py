@@ -1,0 +1,59 @@
+"""The train state pytree and helpers to find the sparse kernels in it.
+
+One pytree: step, params (dense latent weights), opt_state, sparsity (per sparse layer: the
+projection state such as the S-STE scale, and the mask of the last step for the flip rate),
+rng. Orbax saves exactly this, so a resumed run continues exactly.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import flax
+import flax.struct
+import jax
+from flax import traverse_util
+
+
+@flax.struct.dataclass
+class TrainState:
+  step: jax.Array          # int32 scalar: optimizer steps taken
+  params: Any              # float32 latent weights
+  opt_state: Any
+  sparsity: Any            # the model's 'sparsity' collection ({} for a dense model)
+  rng: jax.Array           # uint32[2] base key; step t uses fold_in(rng, t)
+
+
+def sparse_layer_paths(sparsity: Any) -> list[tuple[str, ...]]:
+  """Module paths (('h_0', 'mlp', 'fc'), ...) of the sparse layers, in a stable order."""
+  flat = traverse_util.flatten_dict(flax.core.unfreeze(sparsity)) if sparsity else {}
+  return sorted({k[:-1] for k in flat if k[-1] == "mask"})
+
+
+def get_path(tree: Any, path: tuple[str, ...]) -> Any:
+  for k in path:
+    tree = tree[k]
+  return tree
+
+
+def is_sparse_kernel(params: Any, sparsity: Any) -> Any:
+  """A bool pytree shaped like params: True at the kernel of every sparse layer."""
+  sparse = {p + ("kernel",) for p in sparse_layer_paths(sparsity)}
+  flat = traverse_util.flatten_dict(flax.core.unfreeze(params))
+  return traverse_util.unflatten_dict({k: k in sparse for k in flat})
+
+
+def layer_name(path: tuple[str, ...]) -> str:
+  return "/".join(path)
+
+
+def with_masks(sparsity: Any, new_masks: dict[tuple[str, ...], jax.Array]) -> Any:
+  """A copy of the sparsity collection with the 'mask' entries replaced."""
+  flat = traverse_util.flatten_dict(flax.core.unfreeze(sparsity))
+  for path, m in new_masks.items():
+    flat[path + ("mask",)] = m
+  return traverse_util.unflatten_dict(flat)
+
+
+def num_sparse_weights(params: Any, sparsity: Any) -> int:
+  return sum(get_path(params, p)["kernel"].size for p in sparse_layer_paths(sparsity))
+
