@@ -1,0 +1,110 @@
+"""Run several configs side by side and tabulate them: the comparison scripts' engine.
+
+    from s24jax import compare
+    table = compare.run_all([
+        compare.Run("dense", "experiments/gpt2_dense.py:tiny"),
+        compare.Run("ste", "experiments/gpt2_ste.py:tiny", {"sparsity.decay": 0.0}),
+    ], root="runs/compare")
+    print(table)
+
+Each run goes to its own workdir under `root` (resumed, not redone, if already finished),
+and the table reports final train/val loss, the unigram entropy, the flip rate at the end
+and its peak, tokens/s and wall time. Extra columns come from `extra_keys`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import time
+from typing import Any, Sequence
+
+import ml_collections
+
+from s24jax import metrics as metrics_lib
+
+
+@dataclasses.dataclass
+class Run:
+  name: str
+  config: str                                   # "path/to/file.py[:variant]"
+  overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def load_config(spec: str, overrides: dict[str, Any] | None = None) -> ml_collections.ConfigDict:
+  """Loads `file.py[:variant]` like launch.py does and applies dotted-key overrides."""
+  path, _, variant = spec.partition(":")
+  mod_spec = importlib.util.spec_from_file_location("_s24jax_cfg", path)
+  module = importlib.util.module_from_spec(mod_spec)
+  mod_spec.loader.exec_module(module)
+  config = module.get_config(variant or None)
+  for key, value in (overrides or {}).items():
+    node = config
+    *parents, leaf = key.split(".")
+    for p in parents:
+      node = node[p]
+    if leaf not in node:
+      raise KeyError(f"override {key!r}: no such config field")
+    node[leaf] = value
+  return config
+
+
+def _summary(workdir: str, wall: float, extra_keys: Sequence[str]) -> dict[str, Any]:
+  records = metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+  with open(os.path.join(workdir, "final_metrics.json"), encoding="utf-8") as f:
+    final = json.load(f)
+  _, flip = metrics_lib.series(records, "train/flip_rate")
+  _, tps = metrics_lib.series(records, "perf/tokens_per_sec")
+  row = {
+      "val_loss": final.get("val/loss"),
+      "train_loss": final.get("train/loss"),
+      "unigram": final.get("data/unigram_entropy"),
+      "flip_end": float(flip[-1]) if len(flip) else None,
+      "flip_peak": float(flip.max()) if len(flip) else None,
+      "tok_s": float(sorted(tps)[len(tps) // 2]) if len(tps) else None,
+      "wall_s": wall,
+  }
+  for k in extra_keys:
+    row[k] = final.get(k)
+  return row
+
+
+def run_all(runs: Sequence[Run], root: str, *, extra_keys: Sequence[str] = (),
+            log=print) -> str:
+  """Trains every run (skipping finished ones) and returns a markdown table."""
+  from s24jax import loop  # pylint: disable=g-import-not-at-top
+  rows = []
+  for r in runs:
+    workdir = os.path.join(root, r.name)
+    t0 = time.time()
+    done = os.path.exists(os.path.join(workdir, "final_metrics.json"))
+    if not done:
+      log(f"== {r.name}: {r.config} {r.overrides}")
+      loop.train_and_evaluate(load_config(r.config, r.overrides), workdir)
+    rows.append((r, _summary(workdir, time.time() - t0 if not done else float("nan"),
+                             extra_keys)))
+  return markdown_table(rows, extra_keys)
+
+
+def _fmt(v: Any) -> str:
+  if v is None:
+    return "-"
+  if isinstance(v, float):
+    if v != v:
+      return "(cached)"
+    return f"{v:.3e}" if 0 < abs(v) < 1e-2 else f"{v:.3f}" if abs(v) < 100 else f"{v:.0f}"
+  return str(v)
+
+
+def markdown_table(rows, extra_keys: Sequence[str] = ()) -> str:
+  cols = ["val_loss", "train_loss", "unigram", "flip_end", "flip_peak", "tok_s", "wall_s",
+          *extra_keys]
+  head = "| run | config | " + " | ".join(cols) + " |"
+  sep = "|" + "---|" * (len(cols) + 2)
+  lines = [head, sep]
+  for r, row in rows:
+    ov = " ".join(f"{k}={v}" for k, v in r.overrides.items())
+    lines.append(f"| {r.name} | `{r.config}` {ov} | " +
+                 " | ".join(_fmt(row[c]) for c in cols) + " |")
+  return "\n".join(lines)
