@@ -41,11 +41,16 @@ class SparsityConfig:
   decay_placement: str = "gradients"   # 'gradients' (Hu et al.), 'weights', 'backward'
   dense_finetune_fraction: float = 0.0  # last fraction of steps trained dense
   backend: str = "xla"                 # the sparse matmul implementation
+  # S-STE: recompute the scale beta every k optimizer steps; 0 = fixed at init (the recipe).
+  rescale_every: int = 0
 
   def __post_init__(self):
     if self.decay_placement not in DECAY_PLACEMENTS:
       raise ValueError(f"unknown sparsity.decay_placement {self.decay_placement!r}; valid: "
                        f"{', '.join(DECAY_PLACEMENTS)}")
+    if self.rescale_every < 0:
+      raise ValueError(f"sparsity.rescale_every must be >= 0 (0 = fixed scale), got "
+                       f"{self.rescale_every}")
     if not 0.0 <= self.dense_finetune_fraction <= 1.0:
       raise ValueError("sparsity.dense_finetune_fraction must be in [0, 1], got "
                        f"{self.dense_finetune_fraction}")

@@ -89,6 +89,8 @@ def _summarise(metric_list: list[dict], elapsed: float, tokens: int, fpt: float,
   for k in host[-1]:
     if k.startswith("flip_rate"):
       out[f"train/{k}"] = float(np.mean([m[k] for m in host]))
+    elif k.startswith("sparsity/"):   # projection state (S-STE scale): its latest value
+      out[f"train/{k}"] = float(host[-1][k])
   tps = tokens / max(elapsed, 1e-9)
   out["perf/tokens_per_sec"] = tps
   out["perf/mfu"] = metrics_lib.mfu(tps, fpt, peak, jax.device_count())

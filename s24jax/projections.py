@@ -10,6 +10,10 @@ weight the forward pass uses. Its backward rule is what distinguishes the method
   init_state(w) -> state       computed once from the initial weight, kept in the train state
                                (so it is checkpointed and restored unchanged)
   mask(w) -> bool mask         the support of apply(w, state) (for flip rate and masked decay)
+  update_state(w, state, step, cfg) -> state
+                               optional: called after every optimizer step with the new
+                               weight and the new step count (e.g. to recompute the S-STE
+                               scale every k steps); None keeps the state as initialised
 
 A notebook adds one with `register_projection(name, fn)`, where `fn` is either a
 `Projection` or a plain `fn(w) -> w_tilde` (usually itself a custom_vjp); training with it
@@ -37,6 +41,7 @@ class Projection:
   mask: Callable[[jax.Array], jax.Array] = masks.nm_mask
   # True when apply(w) is dense (no 2:4 constraint, no mask to monitor).
   is_dense: bool = False
+  update_state: Callable[[jax.Array, State, jax.Array, Any], dict[str, jax.Array]] | None = None
   doc: str = ""
 
 
@@ -137,6 +142,22 @@ def s_ste_scale(w: jax.Array) -> jax.Array:
   return jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 1.0)
 
 
+def s_ste_update_state(w: jax.Array, state: State, step: jax.Array, cfg) -> dict[str, jax.Array]:
+  """Recomputes beta = s_ste_scale(w) when `step` is a multiple of cfg.rescale_every.
+
+  `step` is the number of optimizer steps taken (1 after the first update), so with
+  rescale_every=k beta is recomputed from W_k, W_2k, ... and is fixed in between.
+  rescale_every=0 (the S-STE recipe) never recomputes: beta stays its initial value.
+  This is the ablation of the paper: a recomputed beta grows during training.
+  """
+  k = getattr(cfg, "rescale_every", 0)
+  if not k:
+    return dict(state)
+  scale = jax.lax.cond(step % k == 0, lambda: s_ste_scale(w),
+                       lambda: jnp.asarray(state["scale"], jnp.float32))
+  return {**state, "scale": scale}
+
+
 @jax.custom_vjp
 def s_ste24(w: jax.Array, scale: jax.Array) -> jax.Array:
   """S-STE forward beta * S(w); straight-through backward dL/dW := dL/d(beta S(w)).
@@ -217,4 +238,5 @@ register_projection("ste", Projection(
 register_projection("sr_ste", Projection("sr_ste", _sr_ste_apply, doc=sr_ste24.__doc__))
 register_projection("s_ste", Projection(
     "s_ste", lambda w, state, cfg: s_ste24(w, state["scale"]),
-    init_state=lambda w: {"scale": s_ste_scale(w)}, doc=s_ste24.__doc__))
+    init_state=lambda w: {"scale": s_ste_scale(w)}, update_state=s_ste_update_state,
+    doc=s_ste24.__doc__))

@@ -56,6 +56,41 @@ def flip_rates(new: dict, old: Any) -> dict[str, jax.Array]:
   return out
 
 
+def update_projection_states(model: GPT2, params: Any, sparsity: Any, step: jax.Array) -> Any:
+  """Applies the projection's `update_state` hook (if any) to every sparse layer's state.
+
+  `step` is the new optimizer step count; e.g. S-STE recomputes its scale every
+  `sparsity.rescale_every` steps here. Masks are left alone (they are updated separately).
+  """
+  cfg = model.config.sparsity
+  proj = projections.get_projection(cfg.projection)
+  if proj.update_state is None or not sparsity:
+    return sparsity
+  sparsity = flax.core.unfreeze(jax.tree.map(lambda x: x, sparsity))
+  for path in state_lib.sparse_layer_paths(sparsity):
+    layer = state_lib.get_path(sparsity, path)
+    kernel = state_lib.get_path(params, path)["kernel"]
+    layer.update(proj.update_state(kernel, layer, step, cfg))
+  return sparsity
+
+
+def state_scalars(sparsity: Any) -> dict[str, jax.Array]:
+  """Scalar projection state (e.g. the S-STE scale) per layer and its mean over layers.
+
+  Logged as 'sparsity/<name>/<layer>' and 'sparsity/<name>' so a growing recomputed
+  scale is visible in the metrics.
+  """
+  out, per_name = {}, {}
+  for path in state_lib.sparse_layer_paths(sparsity):
+    for name, value in state_lib.get_path(sparsity, path).items():
+      if name != "mask" and getattr(value, "ndim", None) == 0:
+        out[f"sparsity/{name}/{state_lib.layer_name(path)}"] = value
+        per_name.setdefault(name, []).append(value.astype(jnp.float32))
+  for name, values in per_name.items():
+    out[f"sparsity/{name}"] = jnp.mean(jnp.stack(values))
+  return out
+
+
 @functools.partial(jax.jit, static_argnames=("model", "tx"), donate_argnames=("state",))
 def train_step(state: TrainState, batch: Batch, *, model: GPT2,
                tx: optax.GradientTransformation) -> tuple[TrainState, dict[str, jax.Array]]:
@@ -73,9 +108,11 @@ def train_step(state: TrainState, batch: Batch, *, model: GPT2,
   params = optax.apply_updates(state.params, updates)
 
   masks = current_masks(model, params, state.sparsity)
+  sparsity = update_projection_states(model, params, state.sparsity, state.step + 1)
   metrics = {"loss": loss_sum, "count": jnp.asarray(batch["targets"].size, jnp.float32),
-             "grad_norm": optax.global_norm(grads), **flip_rates(masks, state.sparsity)}
-  sparsity = state_lib.with_masks(state.sparsity, masks) if masks else state.sparsity
+             "grad_norm": optax.global_norm(grads), **flip_rates(masks, state.sparsity),
+             **state_scalars(sparsity)}
+  sparsity = state_lib.with_masks(sparsity, masks) if masks else sparsity
   new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
                             sparsity=sparsity)
   return new_state, metrics
