@@ -1,0 +1,252 @@
+"""MVUE 2:4: the unbiased stochastic 2:4 estimator, fused with compression.
+
+Why: the fully sparse linear layer computes dW = MVUE(dY^T) x with dY^T made
+2:4 along tokens (DESIGN.md section 4). The estimator is elementwise per group
+of four, so one pass that reads the dense input once and writes compressed
+values + metadata is all the memory traffic there is.
+
+Estimator (per group x_0..x_3): a_i = |x_i| + eps, S = sum a_i. Draw a first
+index with probability a_i / S, then a second from the other three with
+probability proportional to a_j. Keep the two drawn entries as x_i / p_i with
+p_i = a_i/S + sum_{j != i} (a_j/S) * a_i/(S - a_j), the inclusion
+probability; E[result] = x exactly. eps > 0 only guards the all-zero group
+(it affects the variance, never the mean).
+
+Randomness: `pltpu.prng_*` is TPU only and the Triton backend has no RNG
+primitive, so draws come from a counter-based hash: for global group index
+g = row * (K/4) + group_in_row and draw d in {0, 1},
+  h = mix(mix((2g + d) ^ H(seed)) + H(seed)),  u = (h >> 8) * 2^-24 in [0, 1)
+with mix/H the "lowbias32" 32-bit integer hash (Wellons). Everything is
+uint32 with wrap-around, so the kernel and the jnp reference (which share
+`_mvue_group` and `_uniform`) produce the same draws bit for bit from the
+same seed, independent of the tile sizes. Counters wrap after 2^31 groups
+(2^33 entries), far beyond one gradient tensor here.
+
+Inverse-CDF sampling uses explicit left-to-right cumulative sums so the
+comparisons are reproducible; a rounding of u * S up to S can only select the
+already-drawn index in one case (first = 3), which is mapped to index 2.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+from kernels import _common as c
+
+DEFAULT_EPS = 1e-12
+
+
+@dataclasses.dataclass(frozen=True)
+class Mvue24Config:
+  block_rows: int = 16
+  block_cols: int = 256
+  num_warps: int = 4
+  num_stages: int = 1
+
+  def __post_init__(self):
+    c.check_pow2("block_rows", self.block_rows)
+    c.check_pow2("block_cols", self.block_cols)
+    if self.block_cols < c.COLS_PER_WORD:
+      raise ValueError("block_cols must be >= 32 (one metadata word).")
+
+
+def _mix(x):
+  """lowbias32: a good 32-bit integer bijection (xor-shift-multiply)."""
+  x = x ^ (x >> 16)
+  x = x * jnp.uint32(0x7FEB352D)
+  x = x ^ (x >> 15)
+  x = x * jnp.uint32(0x846CA68B)
+  return x ^ (x >> 16)
+
+
+def _uniform(seed_hash, counter):
+  """U[0, 1) float32 from uint32 (hashed seed, counter); 24 random bits."""
+  h = _mix(_mix(counter ^ seed_hash) + seed_hash)
+  return (h >> 8).astype(jnp.int32).astype(jnp.float32) * jnp.float32(2.0**-24)
+
+
+def seed_hash(seed):
+  return _mix(jnp.asarray(seed, jnp.uint32) ^ jnp.uint32(0x9E3779B9))
+
+
+def seed_from_key(key: jax.Array) -> jax.Array:
+  """A uint32 seed from a JAX PRNG key (for callers holding keys)."""
+  return jax.random.bits(key, (), jnp.uint32)
+
+
+def _mvue_group(x, u1, u2, eps):
+  """Per-position inputs x[0..3] (any float) -> (i0, i1, v0, v1), i0 < i1.
+
+  Shared by the kernel and the reference so both do the same float ops in
+  the same order.
+  """
+  xf = [v.astype(jnp.float32) for v in x]
+  a = [jnp.abs(v) + jnp.float32(eps) for v in xf]
+  c0 = a[0]
+  c1 = c0 + a[1]
+  c2 = c1 + a[2]
+  s = c2 + a[3]
+  t1 = u1 * s
+  first = ((t1 >= c0).astype(jnp.int32) + (t1 >= c1).astype(jnp.int32)
+           + (t1 >= c2).astype(jnp.int32))
+  zero = jnp.zeros_like(a[0])
+  b = [jnp.where(first == j, zero, a[j]) for j in range(4)]
+  d0 = b[0]
+  d1 = d0 + b[1]
+  d2 = d1 + b[2]
+  s2 = d2 + b[3]
+  t2 = u2 * s2
+  second = ((t2 >= d0).astype(jnp.int32) + (t2 >= d1).astype(jnp.int32)
+            + (t2 >= d2).astype(jnp.int32))
+  second = jnp.where(second == first, jnp.where(first == 3, 2, 3), second)
+  # Inclusion probabilities; S - a_j as the sum of the other three (no
+  # cancellation).
+  others = [(a[1] + a[2]) + a[3], (a[0] + a[2]) + a[3],
+            (a[0] + a[1]) + a[3], (a[0] + a[1]) + a[2]]
+  q = [a[j] / s for j in range(4)]
+  p = []
+  for i in range(4):
+    acc = q[i]
+    for j in range(4):
+      if j != i:
+        acc = acc + q[j] * (a[i] / others[j])
+    p.append(acc)
+  est = [xf[j] / p[j] for j in range(4)]
+  lo = jnp.minimum(first, second)
+  hi = jnp.maximum(first, second)
+  v0 = jnp.where(lo == 0, est[0], jnp.where(lo == 1, est[1], est[2]))
+  v1 = jnp.where(hi == 3, est[3], jnp.where(hi == 2, est[2], est[1]))
+  return lo.astype(jnp.uint32), hi.astype(jnp.uint32), v0, v1
+
+
+def _mvue_kernel(x_ref, seed_ref, values_ref, meta_ref, *, br, bk, groups,
+                 eps):
+  g = bk // 4
+  x = [x_ref[:, pl.ds(j, g, stride=4)] for j in range(4)]
+  row = (pl.program_id(0) * br
+         + lax.broadcasted_iota(jnp.int32, (br, g), 0)).astype(jnp.uint32)
+  col = (pl.program_id(1) * g
+         + lax.broadcasted_iota(jnp.int32, (br, g), 1)).astype(jnp.uint32)
+  counter = (row * jnp.uint32(groups) + col) * jnp.uint32(2)
+  sh = seed_hash(seed_ref[0])
+  u1 = _uniform(sh, counter)
+  u2 = _uniform(sh, counter + jnp.uint32(1))
+  i0, i1, v0, v1 = _mvue_group(x, u1, u2, eps)
+  nib = jnp.where(col < groups, c.nibble(i0, i1), jnp.uint32(c.EMPTY_NIBBLE))
+  values_ref[:, pl.ds(0, g, stride=2)] = v0.astype(values_ref.dtype)
+  values_ref[:, pl.ds(1, g, stride=2)] = v1.astype(values_ref.dtype)
+  meta_ref[...] = c.pack_nibbles(nib)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "config", "interpret",
+                                             "poison"))
+def _mvue24(x, seed, *, eps, config, interpret, poison=False):
+  lead, k = x.shape[:-1], x.shape[-1]
+  rows = int(np.prod(lead)) if lead else 1
+  x2 = x.reshape(rows, k)
+  bk, kp = c.fit_block(k, config.block_cols, minimum=c.COLS_PER_WORD)
+  br, rp = c.fit_block(rows, config.block_rows)
+  x2 = c.pad_axis(c.pad_axis(x2, 1, kp), 0, rp)
+  seed = jnp.asarray(seed, jnp.uint32).reshape(1)
+  values, meta = c.pallas_call(
+      functools.partial(_mvue_kernel, br=br, bk=bk, groups=k // 4, eps=eps),
+      out_shape=[jax.ShapeDtypeStruct((rp, kp // 2), x.dtype),
+                 jax.ShapeDtypeStruct((rp, kp // c.COLS_PER_WORD), jnp.uint32)],
+      grid=(rp // br, kp // bk),
+      in_specs=[pl.BlockSpec((br, bk), lambda i, j: (i, j)),
+                pl.BlockSpec((1,), lambda i, j: (0,))],
+      out_specs=[pl.BlockSpec((br, bk // 2), lambda i, j: (i, j)),
+                 pl.BlockSpec((br, bk // c.COLS_PER_WORD), lambda i, j: (i, j))],
+      num_warps=config.num_warps, num_stages=config.num_stages,
+      interpret=interpret, poison=poison, name="mvue24",
+  )(x2, seed)
+  values = values[:rows, :k // 2].reshape(*lead, k // 2)
+  meta = meta[:rows, :c.meta_words(k)].reshape(*lead, c.meta_words(k))
+  return values, meta
+
+
+def _check(x):
+  if x.ndim < 1:
+    raise ValueError("x must have at least one axis.")
+  c.check_groups("x", x.shape[-1])
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise ValueError(f"x must be floating point; got {x.dtype}.")
+
+
+def mvue24_compress(x: jax.Array, seed, *, eps: float = DEFAULT_EPS,
+                    interpret: bool = False,
+                    config: Mvue24Config | None = None):
+  """Unbiased stochastic 2:4 estimate of x [..., K], compressed.
+
+  Args:
+    x: floating array; groups of four run along the last axis (transpose
+      dY to [out, tokens] first for the dW = MVUE(dY^T) x use).
+    seed: uint32 scalar (python int or array; `seed_from_key(key)` converts
+      a PRNG key). Same seed -> same draws, whatever the tiles.
+    eps: a_i = |x_i| + eps.
+  Returns:
+    (values [..., K/2] in x's dtype, meta [..., ceil(K/32)] uint32);
+    `decompress24` gives the dense estimate, E[dense] = x.
+  """
+  _check(x)
+  return _mvue24(x, seed, eps=float(eps), config=config or Mvue24Config(),
+                 interpret=interpret)
+
+
+def mvue24_reference(x: jax.Array, seed, *, eps: float = DEFAULT_EPS):
+  """Plain-jnp reference with the identical counter-based draws."""
+  _check(x)
+  k = x.shape[-1]
+  parts = c.split_positions(x)
+  shape = parts[0].shape
+  # Global row index over all leading axes (row-major), as in the kernel.
+  n_rows = int(np.prod(shape[:-1]))
+  rows = jnp.arange(n_rows, dtype=jnp.uint32).reshape(*shape[:-1], 1)
+  cols = jnp.arange(shape[-1], dtype=jnp.uint32)
+  counter = (rows * jnp.uint32(k // 4) + cols) * jnp.uint32(2)
+  sh = seed_hash(seed)
+  u1 = _uniform(sh, counter)
+  u2 = _uniform(sh, counter + jnp.uint32(1))
+  i0, i1, v0, v1 = _mvue_group(parts, u1, u2, eps)
+  values = c.interleave([v0.astype(x.dtype), v1.astype(x.dtype)])
+  return values, c.pack_meta_rows(c.nibble(i0, i1))
+
+
+def mvue24_dense_reference(x: jax.Array, seed, *, eps: float = DEFAULT_EPS):
+  return c.decompress(*mvue24_reference(x, seed, eps=eps))
+
+
+def _main(argv):
+  interpret = c.main_mode(argv)
+  if interpret is None:
+    return
+  shapes = [(16, 64)] if interpret else [(3072, 16384), (768, 16384),
+                                         (6400, 4096)]
+  dtype = jnp.float32 if interpret else jnp.bfloat16
+  rows = []
+  for shape in shapes:
+    x = jax.random.normal(jax.random.key(0), shape, dtype)
+    fast = jax.jit(functools.partial(mvue24_compress, interpret=interpret))
+    ref = jax.jit(mvue24_reference)
+    got, want = fast(x, 7), ref(x, 7)
+    same_meta = bool(jnp.array_equal(got[1], want[1]))
+    err = float(jnp.max(jnp.abs(got[0].astype(jnp.float32)
+                                - want[0].astype(jnp.float32))))
+    reps = 3 if interpret else 50
+    t_k, t_r = c.time_fn(fast, x, 7, reps=reps), c.time_fn(ref, x, 7, reps=reps)
+    nbytes = x.size * x.dtype.itemsize * 1.5 + x.size // 8
+    rows.append(dict(shape=shape, same_draws=same_meta, max_err=err,
+                     kernel_us=t_k * 1e6, xla_us=t_r * 1e6, speedup=t_r / t_k,
+                     GBps=nbytes / t_k / 1e9))
+  c.print_table(rows)
+
+
+if __name__ == "__main__":
+  _main(sys.argv[1:])

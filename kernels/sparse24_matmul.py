@@ -1,0 +1,383 @@
+"""y = x @ W~^T from the compressed 2:4 operand (values + metadata).
+
+Why: no Pallas backend on Hopper reaches the sparse tensor-core instruction
+(DESIGN.md section 5), so this kernel cannot halve the FLOPs. What it can do
+is read ~56% of the weight bytes (half the values plus 4 bits per group of
+four) and expand each tile on chip before a dense MMA. That only pays where
+the matmul is bound by reading the weight, i.e. small token counts (decode,
+small micro-batches); see `should_use_pallas_matmul`. For compute-bound
+training GEMMs the dense XLA matmul (or cuSPARSELt, later) is the right path.
+
+How the tile is expanded: instead of interleaving the four in-group
+positions back into a dense [BN, BK] tile (a register shuffle), the kernel
+keeps them apart. For position j it builds d_j [BN, BK/4] with
+d_j[:, q] = W~[:, 4q + j] (two selects from the unpacked metadata) and loads
+the matching strided slice x_j = x[:, 4q + j]; then
+y += sum_j x_j @ d_j^T. Same FLOPs as one dense dot, no gather, no shuffle.
+
+Differentiation (custom_vjp), w.r.t. x and values; meta is integer and gets
+no cotangent:
+  dx      = dy @ W~                 (`_dx_kernel`: the transposed expansion of
+                                     the same compressed operand, no W~^T copy)
+  dvalues = (dy^T x) sampled at the kept positions
+            dvalues[n, 2g + s] = sum_m dy[m, n] x[m, 4g + i_s(n, g)]
+                                    (`_dvalues_kernel`, an SDDMM that never
+                                     forms the dense dW)
+The gradient with respect to the *dense latent* weight (STE and friends) is
+the projection's business (`s24jax.projections`): scatter dvalues, or use
+dy^T x directly.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+from kernels import _common as c
+
+# Token count up to which the compressed Pallas matmul is expected to beat
+# the dense XLA matmul on H100 (bf16). From the roofline, not a measurement:
+# a dense [T, K] x [K, N] bf16 GEMM has arithmetic intensity ~T FLOP/byte
+# (weights dominate the bytes), the H100 ridge is ~790e12 / 3.0e12 ~ 260, and
+# the compressed operand moves 0.5625x the weight bytes; after the on-chip
+# expansion overhead a win is plausible up to a few tens of tokens. 64 is a
+# placeholder until `python -m kernels.bench` calibrates it on the GPU host
+# (see kernels/BENCHMARKS.md).
+PALLAS_MATMUL_MAX_TOKENS = 64
+# Shape constraints of the native kernel (no padding of the weight needed).
+_MIN_BLOCK_K = 64   # BK/4 >= 16, the smallest MMA K
+_MIN_BLOCK_N = 16
+
+
+def should_use_pallas_matmul(tokens: int, out_features: int,
+                             in_features: int, *,
+                             backend: str | None = None) -> bool:
+  """Whether `sparse24_matmul` is expected to beat the dense XLA matmul.
+
+  True only on a GPU backend, for token counts <= PALLAS_MATMUL_MAX_TOKENS
+  (the memory-bound regime, uncalibrated: see the constant), and when the
+  weight needs no padding (in_features % 64 == 0, out_features % 16 == 0).
+  """
+  backend = backend or jax.default_backend()
+  return (backend == "gpu" and 0 < tokens <= PALLAS_MATMUL_MAX_TOKENS
+          and in_features % _MIN_BLOCK_K == 0
+          and out_features % _MIN_BLOCK_N == 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sparse24MatmulConfig:
+  """Tiles (powers of two). block_k >= 64 so every per-position dot has
+  K = block_k / 4 >= 16; block_m, block_n >= 16 on GPU (MMA minimum)."""
+  block_m: int = 16
+  block_n: int = 64
+  block_k: int = 128
+  num_warps: int = 4
+  num_stages: int = 2
+  # Backward tiles (dx: [block_m, block_k] outputs, loop over N;
+  # dvalues: [block_n, block_k] outputs, loop over M).
+  bwd_block_m: int = 32
+  bwd_block_n: int = 64
+  bwd_block_k: int = 64
+
+  def __post_init__(self):
+    for f in dataclasses.fields(self):
+      if f.name.startswith(("block", "bwd_block")):
+        c.check_pow2(f.name, getattr(self, f.name))
+    for name in ("block_k", "bwd_block_k"):
+      if getattr(self, name) < c.COLS_PER_WORD:
+        raise ValueError(f"{name} must be >= 32 (one metadata word).")
+
+
+def _dot_nt(a, b):
+  """a [m, k] @ b[n, k]^T in f32."""
+  prec = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+  return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=prec,
+                         preferred_element_type=jnp.float32)
+
+
+def _dot_nn(a, b):
+  prec = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+  return lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=prec,
+                         preferred_element_type=jnp.float32)
+
+
+def _dot_tn(a, b):
+  """a[k, m]^T @ b[k, n] in f32."""
+  prec = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+  return lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=prec,
+                         preferred_element_type=jnp.float32)
+
+
+def _expand(values_ref, meta_ref, rows, col0, bk):
+  """Per-position dense slices d_j [rows, bk/4] of the compressed tile.
+
+  `rows` indexes the first axis of the refs; columns are the bk dense
+  columns starting at dense column col0 (a multiple of bk).
+  """
+  g = bk // 4
+  v0 = values_ref[rows, pl.ds(col0 // 2, g, stride=2)]
+  v1 = values_ref[rows, pl.ds(col0 // 2 + 1, g, stride=2)]
+  words = meta_ref[rows, pl.ds(col0 // c.COLS_PER_WORD, bk // c.COLS_PER_WORD)]
+  return c.expand_positions(v0, v1, c.unpack_nibbles(words))
+
+
+def _fwd_kernel(x_ref, values_ref, meta_ref, y_ref, *, bm, bn, bk):
+  k_total = x_ref.shape[1]
+  g = bk // 4
+
+  def body(kk, acc):
+    col0 = pl.multiple_of(kk * bk, bk)
+    d = _expand(values_ref, meta_ref, slice(None), col0, bk)
+    for j in range(4):
+      xj = x_ref[:, pl.ds(col0 + j, g, stride=4)]
+      acc += _dot_nt(xj, d[j].astype(xj.dtype))
+    return acc
+
+  acc = lax.fori_loop(0, k_total // bk, body, jnp.zeros((bm, bn), jnp.float32))
+  y_ref[...] = acc.astype(y_ref.dtype)
+
+
+def _dx_kernel(dy_ref, values_ref, meta_ref, dx_ref, *, bm, bn, bk):
+  n_total = dy_ref.shape[1]
+  g = bk // 4
+
+  def body(nn, accs):
+    n0 = pl.multiple_of(nn * bn, bn)
+    dy = dy_ref[:, pl.ds(n0, bn)]
+    d = _expand(values_ref, meta_ref, pl.ds(n0, bn), 0, bk)
+    return tuple(acc + _dot_nn(dy, d[j].astype(dy.dtype))
+                 for j, acc in enumerate(accs))
+
+  zeros = jnp.zeros((bm, g), jnp.float32)
+  accs = lax.fori_loop(0, n_total // bn, body, (zeros,) * 4)
+  for j in range(4):
+    dx_ref[:, pl.ds(j, g, stride=4)] = accs[j].astype(dx_ref.dtype)
+
+
+def _dvalues_kernel(x_ref, dy_ref, meta_ref, dv_ref, *, bm, bn, bk):
+  m_total = x_ref.shape[0]
+  g = bk // 4
+
+  def body(mm, accs):
+    m0 = pl.multiple_of(mm * bm, bm)
+    dy = dy_ref[pl.ds(m0, bm), :]
+    return tuple(
+        acc + _dot_tn(dy, x_ref[pl.ds(m0, bm), pl.ds(j, g, stride=4)])
+        for j, acc in enumerate(accs))
+
+  zeros = jnp.zeros((bn, g), jnp.float32)
+  accs = lax.fori_loop(0, m_total // bm, body, (zeros,) * 4)
+  nib = c.unpack_nibbles(meta_ref[...])
+  i0, i1 = nib & 3, (nib >> 2) & 3
+  dv0 = jnp.zeros_like(accs[0])
+  dv1 = jnp.zeros_like(accs[0])
+  for j in range(4):
+    dv0 = jnp.where(i0 == j, accs[j], dv0)
+    dv1 = jnp.where(i1 == j, accs[j], dv1)
+  dv_ref[:, pl.ds(0, g, stride=2)] = dv0.astype(dv_ref.dtype)
+  dv_ref[:, pl.ds(1, g, stride=2)] = dv1.astype(dv_ref.dtype)
+
+
+# ----------------------------------------------------------------------------
+# Launchers on 2-D, unpadded operands; they pad internally.
+# ----------------------------------------------------------------------------
+def _pad_operands(values, meta, k, bk, n, bn):
+  """Pads the compressed operand to [np_, kp/2] / [np_, kp/32]."""
+  kp = -(-k // bk) * bk
+  np_ = -(-n // bn) * bn
+  values = c.pad_axis(c.pad_axis(values, 1, kp // 2), 0, np_)
+  meta = c.pad_axis(c.pad_axis(meta, 1, kp // c.COLS_PER_WORD), 0, np_)
+  return values, meta, kp, np_
+
+
+def _blocks(m, n, k, bm, bn, bk):
+  bk, _ = c.fit_block(k, max(bk, _MIN_BLOCK_K), minimum=_MIN_BLOCK_K)
+  bn, _ = c.fit_block(n, max(bn, _MIN_BLOCK_N), minimum=_MIN_BLOCK_N)
+  bm = min(bm, max(16, pl.next_power_of_2(m)))
+  return bm, bn, bk
+
+
+def _forward(x, values, meta, config, interpret, poison):
+  m, k = x.shape
+  n = values.shape[0]
+  bm, bn, bk = _blocks(m, n, k, config.block_m, config.block_n, config.block_k)
+  values, meta, kp, np_ = _pad_operands(values, meta, k, bk, n, bn)
+  mp = -(-m // bm) * bm
+  x = c.pad_axis(c.pad_axis(x, 1, kp), 0, mp)
+  (y,) = c.pallas_call(
+      functools.partial(_fwd_kernel, bm=bm, bn=bn, bk=bk),
+      out_shape=[jax.ShapeDtypeStruct((mp, np_), x.dtype)],
+      grid=(mp // bm, np_ // bn),
+      in_specs=[pl.BlockSpec((bm, kp), lambda i, j: (i, 0)),
+                pl.BlockSpec((bn, kp // 2), lambda i, j: (j, 0)),
+                pl.BlockSpec((bn, kp // c.COLS_PER_WORD), lambda i, j: (j, 0))],
+      out_specs=[pl.BlockSpec((bm, bn), lambda i, j: (i, j))],
+      num_warps=config.num_warps, num_stages=config.num_stages,
+      interpret=interpret, poison=poison, name="sparse24_matmul_fwd",
+  )(x, values, meta)
+  return y[:m, :n]
+
+
+def _backward_dx(dy, values, meta, k, config, interpret, poison):
+  m, n = dy.shape
+  bm, bn, bk = _blocks(m, n, k, config.bwd_block_m, config.bwd_block_n,
+                       config.bwd_block_k)
+  values, meta, kp, np_ = _pad_operands(values, meta, k, bk, n, bn)
+  mp = -(-m // bm) * bm
+  dy = c.pad_axis(c.pad_axis(dy, 1, np_), 0, mp)
+  (dx,) = c.pallas_call(
+      functools.partial(_dx_kernel, bm=bm, bn=bn, bk=bk),
+      out_shape=[jax.ShapeDtypeStruct((mp, kp), dy.dtype)],
+      grid=(mp // bm, kp // bk),
+      in_specs=[pl.BlockSpec((bm, np_), lambda i, j: (i, 0)),
+                pl.BlockSpec((np_, bk // 2), lambda i, j: (0, j)),
+                pl.BlockSpec((np_, bk // c.COLS_PER_WORD), lambda i, j: (0, j))],
+      out_specs=[pl.BlockSpec((bm, bk), lambda i, j: (i, j))],
+      num_warps=config.num_warps, num_stages=config.num_stages,
+      interpret=interpret, poison=poison, name="sparse24_matmul_dx",
+  )(dy, values, meta)
+  return dx[:m, :k]
+
+
+def _backward_dvalues(x, dy, meta, config, interpret, poison, dtype):
+  m, k = x.shape
+  n = dy.shape[1]
+  bm, bn, bk = _blocks(m, n, k, config.bwd_block_m, config.bwd_block_n,
+                       config.bwd_block_k)
+  kp = -(-k // bk) * bk
+  np_ = -(-n // bn) * bn
+  mp = -(-m // bm) * bm
+  meta = c.pad_axis(c.pad_axis(meta, 1, kp // c.COLS_PER_WORD), 0, np_)
+  x = c.pad_axis(c.pad_axis(x, 1, kp), 0, mp)
+  dy = c.pad_axis(c.pad_axis(dy, 1, np_), 0, mp)
+  (dv,) = c.pallas_call(
+      functools.partial(_dvalues_kernel, bm=bm, bn=bn, bk=bk),
+      out_shape=[jax.ShapeDtypeStruct((np_, kp // 2), dtype)],
+      grid=(np_ // bn, kp // bk),
+      in_specs=[pl.BlockSpec((mp, bk), lambda i, j: (0, j)),
+                pl.BlockSpec((mp, bn), lambda i, j: (0, i)),
+                pl.BlockSpec((bn, bk // c.COLS_PER_WORD), lambda i, j: (i, j))],
+      out_specs=[pl.BlockSpec((bn, bk // 2), lambda i, j: (i, j))],
+      num_warps=config.num_warps, num_stages=config.num_stages,
+      interpret=interpret, poison=poison, name="sparse24_matmul_dvalues",
+  )(x, dy, meta)
+  return dv[:n, :k // 2]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _matmul2d(x, values, meta, config, interpret, poison):
+  return _forward(x, values, meta, config, interpret, poison)
+
+
+def _matmul2d_fwd(x, values, meta, config, interpret, poison):
+  return (_forward(x, values, meta, config, interpret, poison),
+          (x, values, meta))
+
+
+def _matmul2d_bwd(config, interpret, poison, res, dy):
+  x, values, meta = res
+  dy = dy.astype(x.dtype)
+  dx = _backward_dx(dy, values, meta, x.shape[1], config, interpret, poison)
+  dv = _backward_dvalues(x, dy, meta, config, interpret, poison, values.dtype)
+  # meta is an integer input: its cotangent is the float0 zero.
+  dmeta = np.zeros(meta.shape, dtype=jax.dtypes.float0)
+  return dx, dv, dmeta
+
+
+_matmul2d.defvjp(_matmul2d_fwd, _matmul2d_bwd)
+
+
+def _check(x, values, meta):
+  if values.ndim != 2 or meta.ndim != 2:
+    raise ValueError("values and meta must be 2-D ([N, K/2], [N, ceil(K/32)]); "
+                     f"got {values.shape} and {meta.shape}.")
+  k = 2 * values.shape[1]
+  c.check_groups("the weight", k)
+  if x.shape[-1] != k:
+    raise ValueError(f"x's last dimension ({x.shape[-1]}) must equal the "
+                     f"weight's in-features K = 2 * values.shape[1] = {k}.")
+  if meta.shape != (values.shape[0], c.meta_words(k)):
+    raise ValueError(f"meta shape {meta.shape} != (N, ceil(K/32)) = "
+                     f"{(values.shape[0], c.meta_words(k))}.")
+  if x.dtype != values.dtype:
+    raise ValueError(f"x ({x.dtype}) and values ({values.dtype}) must share "
+                     "a dtype.")
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "config", "poison"))
+def _sparse24_matmul(x, values, meta, *, interpret, config, poison=False):
+  lead = x.shape[:-1]
+  x2 = x.reshape(-1, x.shape[-1])
+  y = _matmul2d(x2, values, meta.astype(jnp.uint32), config, interpret,
+                poison)
+  return y.reshape(*lead, values.shape[0])
+
+
+def sparse24_matmul(x: jax.Array, values: jax.Array, meta: jax.Array, *,
+                    interpret: bool = False,
+                    config: Sparse24MatmulConfig | None = None) -> jax.Array:
+  """x [..., K] @ decompress24(values, meta).T -> [..., N], from compressed W.
+
+  Args:
+    x: activations [..., K], same dtype as values (bf16 or f32).
+    values: [N, K/2] kept weight values (from `compress24`).
+    meta: [N, ceil(K/32)] uint32 metadata (from `compress24`).
+    interpret: run in Pallas interpret mode (CPU).
+    config: tiles; default `Sparse24MatmulConfig()`.
+
+  Differentiable w.r.t. x and values (custom_vjp, see the module docstring);
+  accumulation is f32, the output has x's dtype. Shapes that do not fill a
+  tile are zero-padded (tokens, K to a multiple of the K tile, N).
+  """
+  _check(x, values, meta)
+  return _sparse24_matmul(x, values, meta, interpret=interpret,
+                          config=config or Sparse24MatmulConfig())
+
+
+def sparse24_matmul_reference(x, values, meta):
+  """Plain XLA reference: decompress, then a dense matmul (f32 accumulate)."""
+  w = c.decompress(values, meta)
+  prec = lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+  y = jnp.einsum("...k,nk->...n", x, w, precision=prec,
+                 preferred_element_type=jnp.float32)
+  return y.astype(x.dtype)
+
+
+def _main(argv):
+  interpret = c.main_mode(argv)
+  if interpret is None:
+    return
+  from kernels.sparsify24 import compress24_reference
+  dtype = jnp.float32 if interpret else jnp.bfloat16
+  cases = ([(16, 64, 128)] if interpret else
+           [(t, n, k) for (n, k) in [(3072, 768), (768, 3072), (6400, 1600)]
+            for t in (16, 64, 256, 2048)])
+  rows = []
+  for t, n, k in cases:
+    kx, kw = jax.random.split(jax.random.key(0))
+    x = jax.random.normal(kx, (t, k), dtype)
+    w = jax.random.normal(kw, (n, k), dtype)
+    values, meta = compress24_reference(w)
+    dense = c.decompress(values, meta)
+    fast = jax.jit(functools.partial(sparse24_matmul, interpret=interpret))
+    ref = jax.jit(lambda x, w: jnp.dot(x, w.T, preferred_element_type=jnp.float32).astype(x.dtype))
+    err = float(jnp.max(jnp.abs(fast(x, values, meta).astype(jnp.float32)
+                                - ref(x, dense).astype(jnp.float32))))
+    reps = 3 if interpret else 100
+    t_k = c.time_fn(fast, x, values, meta, reps=reps)
+    t_r = c.time_fn(ref, x, dense, reps=reps)
+    rows.append(dict(tokens=t, N=n, K=k, max_err=err, kernel_us=t_k * 1e6,
+                     dense_xla_us=t_r * 1e6, speedup=t_r / t_k,
+                     TFLOPs=2 * t * n * k / t_k / 1e12,
+                     use_pallas=should_use_pallas_matmul(t, n, k)))
+  c.print_table(rows)
+
+
+if __name__ == "__main__":
+  _main(sys.argv[1:])

@@ -1,0 +1,272 @@
+"""Transposable 2:4 mask (2:4 along rows *and* columns) by 90-pattern scoring.
+
+Why: dX = dY W~ contracts W~ along its *out* axis, so a 2:4-accelerated
+backward needs W~^T to be 2:4 too. DESIGN.md section 4: for every 4x4 block B
+of |W| pick, among the 90 binary 4x4 patterns with exactly two ones in every
+row and every column, the pattern P maximising sum(P * B).
+
+How the kernel scores: a pattern is one of the 6 column pairs per row with
+every column used twice, so score(P) = sum_r pairsum_r[pair_r(P)]. The kernel
+loads the 16 block positions as 16 strided [BR/4, BC/4] slices (one per
+(r, c) of the block: no reshape/transposition of the tile), forms the 24 pair
+sums, then runs a running max over the 90 patterns in the fixed order of
+`PATTERNS` (strict '>' so ties keep the earlier pattern, like argmax). That
+is ~300 adds per block on CUDA cores instead of a [blocks, 16] x [16, 90]
+tensor-core matmul, which would need the tile transposed into [blocks, 16]
+first; the mask refresh runs every ~40 steps so this is not on the hot path.
+The reference (`transposable_mask_reference`) is the matmul + argmax of
+DESIGN.md; both break ties toward the lower pattern index. Scores are
+summed in different orders, so on real-valued data a near-tie (within an
+ulp) may resolve differently; on data whose sums are exact (integers) the two
+agree bit for bit.
+
+Optionally the kernel also emits W~ and W~^T compressed (values + metadata in
+the `kernels/_common.py` format), so the forward (`sparse24_matmul(x, v, m)`)
+and the backward dX (`sparse24_matmul(dy, v_t, m_t)`) both read a compressed
+operand without a second pass over W.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import sys
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+from kernels import _common as c
+
+_PAIRS = tuple(itertools.combinations(range(4), 2))  # 6 column pairs, lex order
+
+
+def _enumerate_patterns():
+  pats = []
+  for choice in itertools.product(range(6), repeat=4):
+    cols = np.zeros(4, int)
+    for pi in choice:
+      for col in _PAIRS[pi]:
+        cols[col] += 1
+    if (cols == 2).all():
+      pats.append(choice)
+  return tuple(pats)
+
+
+# PATTERNS[p] = (pair index of row 0, ..., row 3); the order fixes tie-breaks.
+PATTERNS = _enumerate_patterns()
+assert len(PATTERNS) == 90
+
+
+def _pattern_matrix() -> np.ndarray:
+  """[90, 16] 0/1 matrix, entry 4r + c set when the pattern keeps (r, c)."""
+  m = np.zeros((len(PATTERNS), 16), np.float32)
+  for p, choice in enumerate(PATTERNS):
+    for r, pi in enumerate(choice):
+      for col in _PAIRS[pi]:
+        m[p, 4 * r + col] = 1
+  return m
+
+
+PATTERN_MATRIX = _pattern_matrix()
+# 16-bit code per pattern: bit 4r + c.
+PATTERN_CODES = tuple(
+    int(sum(1 << i for i in range(16) if PATTERN_MATRIX[p, i]))
+    for p in range(len(PATTERNS)))
+
+
+@dataclasses.dataclass(frozen=True)
+class TransposableMaskConfig:
+  """Tile of W per program (powers of two, multiples of 4; >= 32 on the
+  axes that carry compressed metadata when with_compressed=True)."""
+  block_rows: int = 32
+  block_cols: int = 64
+  num_warps: int = 4
+  num_stages: int = 1
+
+  def __post_init__(self):
+    c.check_pow2("block_rows", self.block_rows)
+    c.check_pow2("block_cols", self.block_cols)
+    if self.block_rows < 4 or self.block_cols < 4:
+      raise ValueError("blocks must hold at least one 4x4 block.")
+
+
+def _best_pattern_code(mags):
+  """mags[r][c] -> int32 code (bit 4r + c) of the best pattern per block."""
+  ps = [[mags[r][a] + mags[r][b] for (a, b) in _PAIRS] for r in range(4)]
+  best = None
+  code = None
+  for p, choice in enumerate(PATTERNS):
+    s = ((ps[0][choice[0]] + ps[1][choice[1]]) + ps[2][choice[2]]) + ps[3][choice[3]]
+    if best is None:
+      best = s
+      code = jnp.full(s.shape, PATTERN_CODES[0], jnp.int32)
+    else:
+      better = s > best
+      best = jnp.where(better, s, best)
+      code = jnp.where(better, PATTERN_CODES[p], code)
+  return code
+
+
+def _transposable_kernel(w_ref, *out_refs, br, bc, rows, cols,
+                         with_compressed):
+  gr, gc = br // 4, bc // 4
+  a = [[w_ref[pl.ds(r, gr, stride=4), pl.ds(col, gc, stride=4)]
+        for col in range(4)] for r in range(4)]
+  mags = [[jnp.abs(x.astype(jnp.float32)) for x in row] for row in a]
+  code = _best_pattern_code(mags)
+  bits = [[((code >> (4 * r + col)) & 1) == 1 for col in range(4)]
+          for r in range(4)]
+  mask_ref = out_refs[0]
+  for r in range(4):
+    for col in range(4):
+      mask_ref[pl.ds(r, gr, stride=4), pl.ds(col, gc, stride=4)] = bits[r][col]
+  if not with_compressed:
+    return
+  values_ref, meta_ref, values_t_ref, meta_t_ref = out_refs[1:]
+  empty = jnp.uint32(c.EMPTY_NIBBLE)
+  # Global 4x4-block coordinates, to write EMPTY into padding groups.
+  blk_r = pl.program_id(0) * gr + lax.broadcasted_iota(jnp.int32, (gr, gc), 0)
+  blk_c = pl.program_id(1) * gc + lax.broadcasted_iota(jnp.int32, (gr, gc), 1)
+  # W~ rows: group = (row 4R + r, block column C), positions = columns.
+  for r in range(4):
+    i0, i1, v0, v1 = c.slots_from_selection(bits[r], a[r])
+    nib = jnp.where(blk_c < cols // 4, c.nibble(i0, i1), empty)
+    values_ref[pl.ds(r, gr, stride=4), pl.ds(0, gc, stride=2)] = v0
+    values_ref[pl.ds(r, gr, stride=4), pl.ds(1, gc, stride=2)] = v1
+    meta_ref[pl.ds(r, gr, stride=4), :] = c.pack_nibbles(nib)
+  # W~^T rows: group = (column 4C + col, block row R), positions = rows.
+  for col in range(4):
+    sel = [bits[r][col] for r in range(4)]
+    i0, i1, v0, v1 = c.slots_from_selection(sel, [a[r][col] for r in range(4)])
+    nib = jnp.where(blk_r < rows // 4, c.nibble(i0, i1), empty)
+    values_t_ref[pl.ds(col, gc, stride=4), pl.ds(0, gr, stride=2)] = v0.T
+    values_t_ref[pl.ds(col, gc, stride=4), pl.ds(1, gr, stride=2)] = v1.T
+    meta_t_ref[pl.ds(col, gc, stride=4), :] = c.pack_nibbles(nib.T)
+
+
+@functools.partial(jax.jit, static_argnames=("with_compressed", "config",
+                                             "interpret", "poison"))
+def _transposable(w, *, with_compressed, config, interpret, poison=False):
+  r, k = w.shape
+  minimum = c.COLS_PER_WORD if with_compressed else 4
+  bc, kp = c.fit_block(k, max(config.block_cols, minimum), minimum=minimum)
+  br, rp = c.fit_block(r, max(config.block_rows, minimum), minimum=minimum)
+  wp = c.pad_axis(c.pad_axis(w, 1, kp), 0, rp)
+  out_shape = [jax.ShapeDtypeStruct((rp, kp), jnp.bool_)]
+  out_specs = [pl.BlockSpec((br, bc), lambda i, j: (i, j))]
+  if with_compressed:
+    out_shape += [
+        jax.ShapeDtypeStruct((rp, kp // 2), w.dtype),
+        jax.ShapeDtypeStruct((rp, kp // c.COLS_PER_WORD), jnp.uint32),
+        jax.ShapeDtypeStruct((kp, rp // 2), w.dtype),
+        jax.ShapeDtypeStruct((kp, rp // c.COLS_PER_WORD), jnp.uint32)]
+    out_specs += [
+        pl.BlockSpec((br, bc // 2), lambda i, j: (i, j)),
+        pl.BlockSpec((br, bc // c.COLS_PER_WORD), lambda i, j: (i, j)),
+        pl.BlockSpec((bc, br // 2), lambda i, j: (j, i)),
+        pl.BlockSpec((bc, br // c.COLS_PER_WORD), lambda i, j: (j, i))]
+  outs = c.pallas_call(
+      functools.partial(_transposable_kernel, br=br, bc=bc, rows=r, cols=k,
+                        with_compressed=with_compressed),
+      out_shape=out_shape, grid=(rp // br, kp // bc),
+      in_specs=[pl.BlockSpec((br, bc), lambda i, j: (i, j))],
+      out_specs=out_specs, num_warps=config.num_warps,
+      num_stages=config.num_stages, interpret=interpret, poison=poison,
+      name="transposable_mask24",
+  )(wp)
+  mask = outs[0][:r, :k]
+  if not with_compressed:
+    return mask
+  values, meta, values_t, meta_t = outs[1:]
+  return (mask,
+          (values[:r, :k // 2], meta[:r, :c.meta_words(k)]),
+          (values_t[:k, :r // 2], meta_t[:k, :c.meta_words(r)]))
+
+
+def _check(w, two_d):
+  if w.ndim < 2:
+    raise ValueError(f"w must have at least 2 axes; got shape {w.shape}.")
+  if two_d and w.ndim != 2:
+    raise ValueError("with_compressed=True needs a 2-D w; got shape "
+                     f"{w.shape}.")
+  for name, d in (("rows (axis -2)", w.shape[-2]),
+                  ("columns (axis -1)", w.shape[-1])):
+    if d % 4:
+      raise ValueError(f"transposable 2:4 needs the {name} to be a multiple "
+                       f"of 4; got {d}.")
+
+
+def transposable_mask24(w: jax.Array, *, with_compressed: bool = False,
+                        interpret: bool = False,
+                        config: TransposableMaskConfig | None = None):
+  """Transposable 2:4 mask of w [..., R, C] (R, C multiples of 4).
+
+  Returns the bool mask; with `with_compressed=True` (2-D w only) returns
+  (mask, (values, meta), (values_t, meta_t)) where (values, meta) compress
+  mask * w along C and (values_t, meta_t) compress (mask * w)^T along R.
+  """
+  _check(w, with_compressed)
+  config = config or TransposableMaskConfig()
+  if with_compressed:
+    return _transposable(w, with_compressed=True, config=config,
+                         interpret=interpret)
+  # 4x4 blocks never straddle matrices when R % 4 == 0, so leading axes can
+  # be folded into the rows.
+  m = _transposable(w.reshape(-1, w.shape[-1]), with_compressed=False,
+                    config=config, interpret=interpret)
+  return m.reshape(w.shape)
+
+
+def transposable_mask_reference(w: jax.Array) -> jax.Array:
+  """DESIGN.md's formulation: [blocks, 16] x [16, 90] scores, argmax."""
+  *lead, r, k = w.shape
+  b = jnp.abs(w.astype(jnp.float32)).reshape(*lead, r // 4, 4, k // 4, 4)
+  b = jnp.swapaxes(b, -3, -2)                       # [..., R/4, C/4, 4, 4]
+  flat = b.reshape(*b.shape[:-2], 16)
+  scores = jnp.einsum("...i,pi->...p", flat, jnp.asarray(PATTERN_MATRIX),
+                      precision=lax.Precision.HIGHEST)
+  best = jnp.argmax(scores, axis=-1)                # first max on ties
+  pm = jnp.asarray(PATTERN_MATRIX, bool)[best]      # [..., R/4, C/4, 16]
+  pm = jnp.swapaxes(pm.reshape(*pm.shape[:-1], 4, 4), -3, -2)
+  return pm.reshape(w.shape)
+
+
+def transposable_compressed_reference(w: jax.Array):
+  """(mask, (values, meta), (values_t, meta_t)) in plain jnp."""
+  from kernels.sparsify24 import compress24_reference
+  mask = transposable_mask_reference(w)
+  return (mask, compress24_reference(w, mask),
+          compress24_reference(w.T, mask.T))
+
+
+def _main(argv):
+  interpret = c.main_mode(argv)
+  if interpret is None:
+    return
+  shapes = [(32, 64)] if interpret else [(3072, 768), (768, 3072),
+                                         (6400, 1600), (1600, 6400)]
+  dtype = jnp.float32 if interpret else jnp.bfloat16
+  rows = []
+  for shape in shapes:
+    w = jax.random.randint(jax.random.key(0), shape, -8, 8).astype(dtype)
+    for wc in (False, True):
+      fast = jax.jit(functools.partial(transposable_mask24, with_compressed=wc,
+                                       interpret=interpret))
+      ref = jax.jit(transposable_compressed_reference if wc
+                    else transposable_mask_reference)
+      got, want = fast(w), ref(w)
+      ok = all(bool(jnp.array_equal(a, b)) for a, b in
+               zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+      reps = 3 if interpret else 50
+      t_k, t_r = c.time_fn(fast, w, reps=reps), c.time_fn(ref, w, reps=reps)
+      rows.append(dict(shape=shape, compressed=wc, match=ok,
+                       kernel_us=t_k * 1e6, xla_us=t_r * 1e6,
+                       speedup=t_r / t_k))
+  c.print_table(rows)
+
+
+if __name__ == "__main__":
+  _main(sys.argv[1:])
