@@ -7,6 +7,7 @@
 from the last checkpoint in the workdir. Multi-host: add --distributed (calls
 jax.distributed.initialize(), which reads the cluster from the environment).
 """
+import logging as std_logging
 import os
 
 from absl import app, flags, logging
@@ -35,7 +36,7 @@ class _QuietLibraries:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  logging.get_absl_handler().addFilter(_QuietLibraries())
+  std_logging.getLogger("absl").addFilter(_QuietLibraries())
   import jax  # pylint: disable=g-import-not-at-top
   if _DISTRIBUTED.value:
     jax.distributed.initialize()

@@ -10,7 +10,6 @@ import os
 from typing import Any
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 from flax import traverse_util
@@ -22,17 +21,19 @@ class CheckpointMismatchError(ValueError):
 
 def _flat_shapes(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
   flat = traverse_util.flatten_dict(_to_dict(tree), sep="/")
-  return {k: (tuple(v.shape), str(np.dtype(v.dtype))) for k, v in flat.items()
+  return {k: (tuple(v.shape), str(v.dtype)) for k, v in flat.items()
           if hasattr(v, "shape")}
 
 
 def _to_dict(tree: Any) -> Any:
   """Nested dicts with string keys, for comparing a state with checkpoint metadata."""
+  if hasattr(tree, "shape") and hasattr(tree, "dtype"):   # an array or its metadata
+    return tree
   if hasattr(tree, "__dataclass_fields__"):        # TrainState
     return {k: _to_dict(getattr(tree, k)) for k in tree.__dataclass_fields__}
   if isinstance(tree, dict):
     return {str(k): _to_dict(v) for k, v in tree.items()}
-  if isinstance(tree, (list, tuple)) and not hasattr(tree, "shape"):
+  if isinstance(tree, (list, tuple)):
     fields = getattr(tree, "_fields", None)
     keys = fields if fields else range(len(tree))
     return {str(k): _to_dict(v) for k, v in zip(keys, tree)}
@@ -46,6 +47,7 @@ class Checkpointer:
     self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
     self.manager = ocp.CheckpointManager(
         self.directory,
+        item_handlers=ocp.StandardCheckpointHandler(),
         options=ocp.CheckpointManagerOptions(
             max_to_keep=keep, create=True, enable_async_checkpointing=async_save))
 

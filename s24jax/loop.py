@@ -6,6 +6,7 @@ dense phase runs at dense speed instead of branching inside one step.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -18,10 +19,15 @@ import numpy as np
 from absl import logging
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from s24jax import act_sparsity
 from s24jax import checkpoint as ckpt_lib
 from s24jax import config as config_lib
 from s24jax import data as data_lib
+from s24jax import decay_control
+from s24jax import flip_monitor
+from s24jax import flops as flops_lib
 from s24jax import metrics as metrics_lib
+from s24jax import mst
 from s24jax import optim
 from s24jax import projections
 from s24jax import schedules
@@ -52,6 +58,19 @@ def build(config: ml_collections.ConfigDict):
     return optim.make_optimizer(config, state_lib.is_sparse_kernel(params, sparsity), proj.mask)
 
   return model, dense_model, tx_fn
+
+
+def attention_twins(config, model: GPT2, dense_model: GPT2):
+  """step -> (model, dense twin) with that step's attention pattern (MST Hybrid Sparse
+  Attention): one compiled step per pattern, built once so the jit cache is reused."""
+  twins = {model.config.attention: (model, dense_model)}
+  start, end = mst.attention_window(config)
+  if end > start:
+    pattern = config.mst.sparse_attention
+    if pattern not in twins:
+      twins[pattern] = tuple(GPT2(dataclasses.replace(m.config, attention=pattern))
+                             for m in (model, dense_model))
+  return lambda step: twins[mst.attention_at(config, step)]
 
 
 def _local_batch(tokens, config, step: int) -> dict[str, np.ndarray]:
@@ -87,8 +106,11 @@ def _summarise(metric_list: list[dict], elapsed: float, tokens: int, fpt: float,
   out = {"train/loss": float(sum(m["loss"] for m in host) / sum(m["count"] for m in host)),
          "train/grad_norm": float(np.mean([m["grad_norm"] for m in host]))}
   for k in host[-1]:
-    if k.startswith("flip_rate"):
-      out[f"train/{k}"] = float(np.mean([m[k] for m in host]))
+    if k.startswith("flip_rate") or k == "transposable_kept_ratio":
+      # NaN = no measurement at that step (cached masks measure only at refreshes).
+      values = np.asarray([m[k] for m in host], np.float64)
+      if not np.isnan(values).all():
+        out[f"train/{k}"] = float(np.nanmean(values))
     elif k.startswith("sparsity/"):   # projection state (S-STE scale): its latest value
       out[f"train/{k}"] = float(host[-1][k])
   tps = tokens / max(elapsed, 1e-9)
@@ -134,6 +156,19 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                                                                           state.sparsity)})
   logging.info("params %.2fM, unigram entropy %.3f nats, %d devices, resume at step %d",
                n_params / 1e6, unigram, jax.device_count(), start)
+  # MST (s24jax/mst.py): topology updates between steps, per-step attention pattern; and the
+  # training FLOP count of every run (s24jax/flops.py), restarted from the plan on resume.
+  models_at = attention_twins(config, model, dense_model)
+  mst_ctl = mst.Controller(config, state) if mst.enabled(config) else None
+  nnz = mst_ctl.active_counts(state) if mst_ctl else {}
+  flop_acct = flops_lib.planned(config, upto=start)
+
+  sparsity_cfg = model.config.sparsity
+  flip_warn = flip_monitor.FlipRateMonitor(sparsity_cfg.flip_rate_warn,
+                                           sparsity_cfg.flip_rate_warn_patience)
+  # lambda_W chosen during warm-up (s24jax/decay_control.py): logged when it is frozen.
+  decay_frozen_at = (sparsity_cfg.decay_auto_steps if decay_control.enabled(sparsity_cfg)
+                     else -1)
 
   from tqdm import tqdm  # pylint: disable=g-import-not-at-top
   bar = tqdm(total=total, initial=start, dynamic_ncols=True, disable=jax.process_index() != 0,
@@ -144,51 +179,84 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   final: dict[str, float] = {}
   last_val = None
   step = start
-  with mesh:
-    while step < total:
-      if step == config.stop_at_step:
-        logging.warning("stop_at_step=%d reached: leaving without a final checkpoint", step)
-        break
-      dense = step >= dense_from
-      if dense and step == dense_from and not projections.get_projection(
-          config.sparsity.projection).is_dense:
-        state = state.replace(params=train.project_params(model, state.params, state.sparsity))
-        logging.info("step %d: switching to dense fine-tuning", step)
-      batch = shard_batch(_local_batch(data.train, config, step), mesh)
-      state, m = train.train_step(state, batch, model=dense_model if dense else model, tx=tx)
-      pending.append(m)
-      step += 1
+  while step < total:
+    if step == config.stop_at_step:
+      logging.warning("stop_at_step=%d reached: leaving without a final checkpoint", step)
+      break
+    dense = step >= dense_from
+    model, dense_model = models_at(step)
+    if dense and step == dense_from and not projections.get_projection(
+        config.sparsity.projection).is_dense:
+      state = state.replace(params=train.project_params(model, state.params, state.sparsity))
+      logging.info("step %d: switching to dense fine-tuning", step)
+    batch = shard_batch(_local_batch(data.train, config, step), mesh)
+    if config.act_stats_sequences and ((step + 1) % config.log_every == 0 or step + 1 == total):
+      # The activations this step trains on (params before the update), one extra forward;
+      # its time is not charged to tokens/s (synchronised on both sides, log steps only).
+      jax.block_until_ready(state.params)
+      t_stats = time.time()
+      act_stats = jax.block_until_ready(act_sparsity.activation_stats(
+          state.params, state.sparsity, batch["inputs"], model=dense_model if dense else model,
+          num_sequences=min(config.act_stats_sequences, config.batch_size)))
+      t_last += time.time() - t_stats
+    updated = mst_ctl is not None and not dense and mst_ctl.due(step)
+    if updated:
+      state, mst_scalars = mst_ctl.update(state, batch, step, model=model)
+      writer.write(step, mst_scalars)
+      nnz = mst_ctl.targets(step)   # == the active counts (Controller.update checks)
+    flop_acct.add({} if dense else nnz, model.config.attention, topology_update=updated)
+    state, m = train.train_step(state, batch, model=dense_model if dense else model, tx=tx)
+    pending.append(m)
+    step += 1
+    if step == decay_frozen_at:
+      chosen = float(state.sparsity[decay_control.KEY]["decay"])
+      logging.info("step %d: end of the lambda_W warm-up controller; lambda_W frozen at %.4g",
+                   step, chosen)
+      writer.write(step, {"sparsity/decay_chosen": chosen})
+      final["sparsity/decay_chosen"] = chosen
 
-      if step % config.log_every == 0 or step == total:
-        now = time.time()
-        scalars = _summarise(pending, now - t_last, (step - step_last) * tokens_per_step,
-                             fpt, peak)
-        scalars["train/lr"] = float(schedules.learning_rate(config.optim, total)(step - 1))
-        scalars["train/dense_phase"] = float(dense)
-        pending, t_last, step_last = [], now, step
-        writer.write(step, scalars)
-        final.update(scalars)
-        postfix.update(loss=f"{scalars['train/loss']:.3f}",
-                       tok_s=f"{scalars['perf/tokens_per_sec']:.0f}")
-        if "train/flip_rate" in scalars:
-          postfix["flip"] = f"{scalars['train/flip_rate']:.2e}"
-      if step % config.eval_every == 0 or step == total:
-        last_val = evaluate(state.params, state.sparsity, dense_model if dense else model,
-                            val_batches, mesh)
-        writer.write(step, {"val/loss": last_val})
-        final["val/loss"] = last_val
-        postfix["val"] = f"{last_val:.3f}"
-        t_last = time.time()  # do not charge eval time to tokens/s
-      if step % config.checkpoint_every == 0 or step == total:
-        ckpt.save(step, state, force=True)
-      bar.set_postfix(postfix, refresh=False)
-      bar.update(1)
+    if step % config.log_every == 0 or step == total:
+      now = time.time()
+      scalars = _summarise(pending, now - t_last, (step - step_last) * tokens_per_step,
+                           fpt, peak)
+      scalars["train/lr"] = float(schedules.learning_rate(config.optim, total)(step - 1))
+      scalars["train/dense_phase"] = float(dense)
+      if not dense and not projections.get_projection(config.sparsity.projection).is_dense:
+        scalars["train/flip_rate_warning"] = flip_warn.update(step,
+                                                              scalars.get("train/flip_rate"))
+      scalars.update(flop_acct.scalars())
+      if config.act_stats_sequences:
+        scalars.update({k: float(v) for k, v in jax.device_get(act_stats).items()})
+      pending, t_last, step_last = [], now, step
+      writer.write(step, scalars)
+      final.update(scalars)
+      postfix.update(loss=f"{scalars['train/loss']:.3f}",
+                     tok_s=f"{scalars['perf/tokens_per_sec']:.0f}")
+      if "train/flip_rate" in scalars:
+        postfix["flip"] = f"{scalars['train/flip_rate']:.2e}"
+    if step % config.eval_every == 0 or step == total:
+      last_val = evaluate(state.params, state.sparsity, dense_model if dense else model,
+                          val_batches, mesh)
+      writer.write(step, {"val/loss": last_val})
+      final["val/loss"] = last_val
+      postfix["val"] = f"{last_val:.3f}"
+      t_last = time.time()  # do not charge eval time to tokens/s
+    if step % config.checkpoint_every == 0 or step == total:
+      ckpt.save(step, state, force=True)
+    bar.set_postfix(postfix, refresh=False)
+    bar.update(1)
   bar.close()
   ckpt.close()
   writer.close()
   metrics_lib.plot(writer.jsonl_path, os.path.join(workdir, "metrics.png"),
                    title=f"{config.sparsity.projection} | {model.config.num_layers}L "
                          f"{model.config.d_model}d")
+  final.update(flops_lib.summary(flop_acct))
+  if mst_ctl is not None:
+    records = metrics_lib.read_jsonl(writer.jsonl_path)
+    steps_, sparsity_ = metrics_lib.series(records, "mst/sparsity")
+    mst.plot_schedule(config, os.path.join(workdir, "mst_schedule.png"),
+                      measured={"step": steps_, "sparsity": sparsity_})
   final["data/unigram_entropy"] = unigram
   final["step"] = step
   with open(os.path.join(workdir, "final_metrics.json"), "w", encoding="utf-8") as f:

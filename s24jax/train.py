@@ -12,15 +12,21 @@ from typing import Any
 
 import flax
 import jax
+from flax import traverse_util
 import jax.numpy as jnp
 import optax
 
+from s24jax import decay_control
+from s24jax import masks as masks_lib
 from s24jax import projections
 from s24jax import state as state_lib
 from s24jax.model import GPT2
 from s24jax.state import TrainState
 
 Batch = dict[str, jax.Array]
+
+# fold_in constant separating the MVUE stream from other uses of the step rng ('mvue').
+_MVUE_STREAM = 0x6D767565
 
 
 def cross_entropy_sum(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -39,8 +45,41 @@ def current_masks(model: GPT2, params: Any, sparsity: Any) -> dict[tuple[str, ..
   proj = projections.get_projection(model.config.sparsity.projection)
   if proj.is_dense:   # dense fine-tuning: no mask to monitor
     return {}
+  if proj.mask_in_state:   # MST: the mask changes only in s24jax.mst's topology updates
+    return {}
   return {p: proj.mask(state_lib.get_path(params, p)["kernel"])
           for p in state_lib.sparse_layer_paths(sparsity)}
+
+
+def refreshed_masks(model: GPT2, params: Any, sparsity: Any, refresh: jax.Array
+                    ) -> tuple[dict[tuple[str, ...], jax.Array], jax.Array]:
+  """Cached masks (Projection.mask_refresh, e.g. t_sr_ste): recomputed only when `refresh`.
+
+  Returns the masks the next forward passes use (fresh mask(W) if `refresh`, else the cached
+  state['mask']) and the kept-magnitude ratio of the fresh masks over plain 2:4 masks,
+  sum |W| m / sum |W| nm_mask(W) over all sparse layers (`transposable_kept_ratio`; NaN
+  when not refreshing). Under jit only the taken branch runs: no mask work between refreshes.
+  """
+  paths = state_lib.sparse_layer_paths(sparsity)
+  kernels = {p: state_lib.get_path(params, p)["kernel"] for p in paths}
+  cached = {p: state_lib.get_path(sparsity, p)["mask"] for p in paths}
+
+  def fresh():
+    new = current_masks(model, params, sparsity)
+    kept = sum(jnp.sum(jnp.where(new[p], jnp.abs(w), 0.0)) for p, w in kernels.items())
+    kept_nm = sum(jnp.sum(jnp.where(masks_lib.nm_mask(w), jnp.abs(w), 0.0))
+                  for w in kernels.values())
+    return new, (kept / jnp.maximum(kept_nm, 1e-30)).astype(jnp.float32)
+
+  return jax.lax.cond(refresh, fresh, lambda: (cached, jnp.float32(jnp.nan)))
+
+
+def _masks_like_params(params: Any, sparsity: Any) -> Any:
+  """A params-shaped tree with each sparse kernel's current forward mask, None elsewhere."""
+  flat = traverse_util.flatten_dict(flax.core.unfreeze(params))
+  sparse = {p + ("kernel",): state_lib.get_path(sparsity, p)["mask"]
+            for p in state_lib.sparse_layer_paths(sparsity)}
+  return traverse_util.unflatten_dict({k: sparse.get(k) for k in flat})
 
 
 def flip_rates(new: dict, old: Any) -> dict[str, jax.Array]:
@@ -96,22 +135,56 @@ def train_step(state: TrainState, batch: Batch, *, model: GPT2,
                tx: optax.GradientTransformation) -> tuple[TrainState, dict[str, jax.Array]]:
   """One optimizer step. Returns the new state and metrics as sums plus a count."""
   rng = jax.random.fold_in(state.rng, state.step)
-  del rng  # no dropout or stochastic estimator in the base recipe; seam for MVUE.
+  cfg = model.config.sparsity
+  proj = projections.get_projection(cfg.projection)
+  # MVUE (sparse_ops): each SparseLinear draws its key with make_rng('mvue').
+  rngs = {"mvue": jax.random.fold_in(rng, _MVUE_STREAM)}
 
   def loss_fn(params):
-    logits = model.apply(_variables(params, state.sparsity), batch["inputs"])   # (B, T, V)
+    logits = model.apply(_variables(params, state.sparsity), batch["inputs"],
+                         rngs=rngs)                                              # (B, T, V)
     loss_sum = cross_entropy_sum(logits, batch["targets"])
     return loss_sum / batch["targets"].size, loss_sum
 
   (_, loss_sum), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-  updates, opt_state = tx.update(grads, state.opt_state, state.params)
+  mask_in_state = projections.get_projection(model.config.sparsity.projection).mask_in_state
+  if mask_in_state:   # MST: only active weights learn (the dense gradient is for regrowth)
+    grads = state_lib.mask_sparse_kernels(grads, state.sparsity)
+  # Masked decay (optim.add_masked_decay) on the mask this forward used, with lambda_W from
+  # the warm-up controller if on; none in the dense fine-tuning phase.
+  decay = 0.0 if proj.is_dense else decay_control.current_decay(state.sparsity, cfg)
+  extra = {"decay": jnp.asarray(decay, jnp.float32)}
+  if state.sparsity and not proj.is_dense:
+    extra["masks"] = _masks_like_params(state.params, state.sparsity)
+  updates, opt_state = optax.with_extra_args_support(tx).update(
+      grads, state.opt_state, state.params, **extra)
   params = optax.apply_updates(state.params, updates)
+  if mask_in_state:   # pruned weights stay exactly 0 whatever the optimizer does
+    params = state_lib.mask_sparse_kernels(params, state.sparsity)
 
-  masks = current_masks(model, params, state.sparsity)
+  extra_metrics = {}
+  if proj.mask_refresh and not proj.is_dense:
+    # Cached mask: recomputed every k optimizer steps (after the k-th, 2k-th, ... update).
+    # Its flip rate is reported at refreshes as changed / k, the mean per-step rate over
+    # the interval, and NaN in between (no measurement; the loop averages what it has).
+    k = cfg.mask_refresh_every
+    refresh = (state.step + 1) % k == 0
+    masks, kept_ratio = refreshed_masks(model, params, state.sparsity, refresh)
+    flips = {name: jnp.where(refresh, v / k, jnp.nan)
+             for name, v in flip_rates(masks, state.sparsity).items()}
+    extra_metrics["transposable_kept_ratio"] = kept_ratio
+  else:
+    masks = current_masks(model, params, state.sparsity)
+    flips = flip_rates(masks, state.sparsity)
   sparsity = update_projection_states(model, params, state.sparsity, state.step + 1)
+  if not proj.is_dense and decay_control.enabled(cfg) and decay_control.KEY in sparsity:
+    sparsity = {**sparsity, decay_control.KEY: decay_control.update(
+        sparsity[decay_control.KEY], flips.get("flip_rate", jnp.nan), state.step, cfg)}
+  if proj.masked_decay and not proj.is_dense and (cfg.decay > 0 or cfg.decay_auto):
+    extra_metrics["sparsity/decay"] = extra["decay"]   # lambda_W used by this step
   metrics = {"loss": loss_sum, "count": jnp.asarray(batch["targets"].size, jnp.float32),
-             "grad_norm": optax.global_norm(grads), **flip_rates(masks, state.sparsity),
-             **state_scalars(sparsity)}
+             "grad_norm": optax.tree.norm(grads), **flips,
+             **state_scalars(sparsity), **extra_metrics}
   sparsity = state_lib.with_masks(sparsity, masks) if masks else sparsity
   new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
                             sparsity=sparsity)
@@ -135,6 +208,8 @@ def init_state(model: GPT2, tx_fn, seed: int) -> TrainState:
   variables = flax.core.unfreeze(model.init(init_rng, tokens))
   params = variables["params"]
   sparsity = variables.get("sparsity", {})
+  if decay_control.enabled(model.config.sparsity):   # lambda_W chosen during warm-up
+    sparsity = {**sparsity, decay_control.KEY: decay_control.init_state(model.config.sparsity)}
   tx = tx_fn(params, sparsity)
   return TrainState(step=jnp.asarray(0, jnp.int32), params=params, opt_state=tx.init(params),
                     sparsity=sparsity, rng=train_rng)
