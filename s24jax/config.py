@@ -29,6 +29,7 @@ GPT2_SIZES = {
 VARIANTS = ("tiny",) + tuple(GPT2_SIZES)
 ACTIVATIONS = ("gelu", "relu", "relu2", "geglu", "swiglu")
 DECAY_PLACEMENTS = ("gradients", "weights", "backward")
+ACT_SPARSITIES = ("none", "venom")   # sparsity.act_sparsity (s24jax/act_sparsity.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +44,15 @@ class SparsityConfig:
   backend: str = "xla"                 # the sparse matmul implementation
   # S-STE: recompute the scale beta every k optimizer steps; 0 = fixed at init (the recipe).
   rescale_every: int = 0
+  # V:N:M activation sparsity of the FFN hidden activations that feed the second FFN matmul
+  # (Haziza et al.; s24jax/act_sparsity.py): 'none' or 'venom'; blocks of act_v token rows,
+  # act_n kept of act_m hidden columns per row (4 columns chosen per block); act_backend is
+  # the matmul on the sparse activation ('xla' reference; kernels register others).
+  act_sparsity: str = "none"
+  act_v: int = 64
+  act_n: int = 2
+  act_m: int = 8
+  act_backend: str = "xla"
 
   def __post_init__(self):
     if self.decay_placement not in DECAY_PLACEMENTS:
@@ -51,6 +61,13 @@ class SparsityConfig:
     if self.rescale_every < 0:
       raise ValueError(f"sparsity.rescale_every must be >= 0 (0 = fixed scale), got "
                        f"{self.rescale_every}")
+    if self.act_sparsity not in ACT_SPARSITIES:
+      raise ValueError(f"unknown sparsity.act_sparsity {self.act_sparsity!r}; valid: "
+                       f"{', '.join(ACT_SPARSITIES)}")
+    if self.act_v < 1 or self.act_m < 4 or not 0 <= self.act_n <= 4:
+      raise ValueError("V:N:M activation sparsity needs sparsity.act_v >= 1, act_m >= 4 and "
+                       f"0 <= act_n <= 4 (n of the 4 chosen columns); got act_v={self.act_v}, "
+                       f"act_n={self.act_n}, act_m={self.act_m}")
     if not 0.0 <= self.dense_finetune_fraction <= 1.0:
       raise ValueError("sparsity.dense_finetune_fraction must be in [0, 1], got "
                        f"{self.dense_finetune_fraction}")
@@ -77,6 +94,10 @@ class ModelConfig:
     if self.activation not in ACTIVATIONS:
       raise ValueError(f"unknown model.activation {self.activation!r}; valid: "
                        f"{', '.join(ACTIVATIONS)}")
+    if self.sparsity.act_sparsity != "none" and self.mlp_hidden % self.sparsity.act_m:
+      raise ValueError(f"V:N:M activation sparsity needs the FFN hidden dimension "
+                       f"(model.mlp_ratio * model.d_model = {self.mlp_hidden}) to be a multiple "
+                       f"of sparsity.act_m={self.sparsity.act_m}")
     if self.d_model % self.num_heads:
       raise ValueError(f"model.d_model={self.d_model} is not divisible by "
                        f"model.num_heads={self.num_heads}")
@@ -98,7 +119,8 @@ def model_config(config: ml_collections.ConfigDict, *, dense: bool = False) -> M
   """The frozen model config; `dense=True` gives the dense fine-tuning twin."""
   sparsity = sparsity_config(config)
   if dense:
-    sparsity = dataclasses.replace(sparsity, projection="dense")
+    # The dense twin is dense everywhere: weights and (Haziza et al.) activations.
+    sparsity = dataclasses.replace(sparsity, projection="dense", act_sparsity="none")
   kwargs = _fields(ModelConfig, {k: v for k, v in config.model.items()})
   return ModelConfig(**kwargs, sparsity=sparsity)
 
@@ -141,6 +163,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.keep_checkpoints = 3
   c.plot_every = 0                # 0: plot at evals and at the end
   c.peak_flops = 0.0              # per device, for MFU; 0: guess from the device kind
+  # Activation sparsity statistics (s24jax/act_sparsity.py): at every log step one extra
+  # forward pass on the first this-many sequences of the step's batch; 0 = off.
+  c.act_stats_sequences = 0
   c.stop_at_step = -1             # debug/preemption test: leave the loop at this step
   return c
 

@@ -102,7 +102,12 @@ def plot(jsonl_path: str, png_path: str, *, title: str = "") -> str:
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
   records = read_jsonl(jsonl_path)
-  fig, (ax_loss, ax_flip) = plt.subplots(1, 2, figsize=(12, 4.5))
+  act_layers = sorted({k.split("/", 2)[2] for r in records for k in r
+                       if k.startswith(("act/zero_frac/", "act/kept_l1/"))})
+  fig, axes = plt.subplots(1, 3 if act_layers else 2, figsize=(18 if act_layers else 12, 4.5))
+  ax_loss, ax_flip = axes[0], axes[1]
+  if act_layers:
+    _plot_activation_sparsity(axes[2], records, act_layers)
   for key, style in (("train/loss", "-"), ("val/loss", "o-")):
     s, v = series(records, key)
     if len(s):
@@ -129,3 +134,18 @@ def plot(jsonl_path: str, png_path: str, *, title: str = "") -> str:
   fig.savefig(png_path, dpi=110)
   plt.close(fig)
   return png_path
+
+
+def _plot_activation_sparsity(ax, records, layers) -> None:
+  """Per layer: exact-zero fraction (solid) and V:N:M kept L1 share (dashed) of the FFN
+  activations (s24jax/act_sparsity.py)."""
+  for i, layer in enumerate(layers):
+    color = f"C{i % 10}"
+    s, v = series(records, f"act/zero_frac/{layer}")
+    ax.plot(s, v, "-", color=color, lw=1, label=f"{layer} zeros")
+    s, v = series(records, f"act/kept_l1/{layer}")
+    ax.plot(s, v, "--", color=color, lw=1, label=f"{layer} V:N:M kept L1")
+  ax.set_ylim(0, 1.02)
+  ax.set_xlabel("step"), ax.set_ylabel("fraction")
+  ax.set_title("FFN activations", fontsize=9)
+  ax.legend(fontsize=6, ncol=2)

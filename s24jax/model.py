@@ -12,6 +12,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from s24jax import act_sparsity
 from s24jax import activations
 from s24jax.config import ModelConfig
 from s24jax.sparse_linear import SparseLinear
@@ -56,8 +57,22 @@ class MLP(nn.Module):
     gated = cfg.activation in activations.GATED
     h = SparseLinear((2 if gated else 1) * H, cfg.sparsity, dtype=dtype, name="fc")(x)  # (B, T, H|2H)
     h = activations.apply(cfg.activation, h)                                  # (B, T, H)
+    sp = cfg.sparsity
+    mask, matmul = None, None
+    if sp.act_sparsity == "venom":   # Haziza et al.: V:N:M activations into the 2nd matmul
+      h_sparse, mask, meta = act_sparsity.sparsify(h, sp.act_v, sp.act_n, sp.act_m,
+                                                   backend=sp.act_backend)
+      matmul = act_sparsity.act_matmul(meta, sp.act_v, sp.act_backend)
+    if self.is_mutable_collection("intermediates") and not self.is_initializing():
+      # Only in act_sparsity.activation_stats' forward pass; train/eval steps skip this.
+      stats = act_sparsity.activation_sparsity_stats(h, sp.act_v, sp.act_n, sp.act_m, mask)
+      for name, value in stats.items():
+        self.sow("intermediates", f"act_{name}", value)
+    if mask is not None:
+      h = h_sparse                                                            # (B, T, H)
     out_init = nn.initializers.normal(0.02 / math.sqrt(2 * cfg.num_layers))
-    return SparseLinear(C, cfg.sparsity, dtype=dtype, kernel_init=out_init, name="proj")(h)
+    return SparseLinear(C, cfg.sparsity, dtype=dtype, kernel_init=out_init, name="proj",
+                        matmul=matmul)(h)
 
 
 class Block(nn.Module):

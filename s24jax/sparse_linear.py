@@ -53,6 +53,9 @@ class SparseLinear(nn.Module):
   use_bias: bool = True
   dtype: Any = jnp.float32
   kernel_init: Callable = nn.initializers.normal(0.02)
+  # (x, w) -> y replacing `linear` (e.g. a V:N:M sparse-activation kernel from
+  # s24jax.act_sparsity.act_matmul); None: `linear` with sparsity.backend.
+  matmul: Callable | None = None
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -72,7 +75,10 @@ class SparseLinear(nn.Module):
         self.variable("sparsity", "mask", lambda: proj.mask(kernel))
       state = dict(self.variables.get("sparsity", {}))
       w = proj.apply(kernel, state, self.sparsity)
-    y = linear(x.astype(self.dtype), w, backend=self.sparsity.backend)  # (..., out)
+    if self.matmul is not None:
+      y = self.matmul(x.astype(self.dtype), w)                           # (..., out)
+    else:
+      y = linear(x.astype(self.dtype), w, backend=self.sparsity.backend)  # (..., out)
     if self.use_bias:
       y = y + self.param("bias", nn.initializers.zeros, (self.features,)).astype(self.dtype)
     return y

@@ -1,0 +1,94 @@
+"""The Haziza et al. activation-sparsity recipe piece by piece (tiny GPT-2).
+
+  python experiments/compare_venom.py [--root runs/compare_venom] [--steps 600] [--only a,b]
+
+Runs (each its own workdir under --root; finished ones are reused, not redone):
+  gelu_dense       the GELU dense baseline (experiments/gpt2_dense.py)
+  relu2_dense      Squared-ReLU FFN, dense (experiments/gpt2_relu2_dense.py)
+  relu2_act_vnm    + V:N:M activations (V=64, 2:8) into the 2nd FFN matmul, dense weights,
+                   70% sparse then dense
+  relu2_w24        + 2:4 S-STE weights on both FFN matrices only (no activation sparsity),
+                   70% sparse then dense: separates the two sparsities' costs
+  venom_recipe     the full recipe: V:N:M activations + 2:4 S-STE weights, 70% sparse then
+                   dense (experiments/gpt2_venom.py)
+
+Every run logs the activation statistics on the whole step batch at every log step
+(act_stats_sequences = 16, i.e. the 1024 tokens of the tiny batch = 16 blocks of V=64).
+Columns beyond the standard ones (s24jax.compare):
+  zeros_end, kept_l1_end  exact-zero share and V:N:M kept-L1 share of the FFN activations,
+                          mean over layers, at the last log step (dense phase if any);
+  zeros_mean, kept_l1_mean the same averaged over all log steps of the run;
+  val_sparse_end          val loss at the last eval before the dense phase starts (step 400
+                          of 600 by default: the sparse model before dense fine-tuning).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from s24jax import compare  # pylint: disable=g-import-not-at-top
+from s24jax import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
+from s24jax import schedules  # pylint: disable=g-import-not-at-top
+
+VENOM = "experiments/gpt2_venom.py:tiny"
+STATS = {"act_stats_sequences": 16}
+
+RUNS = [
+    compare.Run("gelu_dense", "experiments/gpt2_dense.py:tiny", dict(STATS)),
+    compare.Run("relu2_dense", "experiments/gpt2_relu2_dense.py:tiny", dict(STATS)),
+    compare.Run("relu2_act_vnm", VENOM, {**STATS, "sparsity.projection": "dense"}),
+    compare.Run("relu2_w24", VENOM, {**STATS, "sparsity.act_sparsity": "none"}),
+    compare.Run("venom_recipe", VENOM, dict(STATS)),
+]
+
+
+def _extra_table(runs, root: str) -> str:
+  """Activation statistics over the whole run and the val loss at the end of the sparse phase."""
+  lines = ["| run | zeros_mean | kept_l1_mean | val_sparse_end (step) |", "|---|---|---|---|"]
+  for r in runs:
+    records = metrics_lib.read_jsonl(os.path.join(root, r.name, "metrics.jsonl"))
+    cfg = compare.load_config(r.config, r.overrides)
+    dense_from = schedules.dense_finetune_start(cfg.total_steps,
+                                                cfg.sparsity.dense_finetune_fraction)
+    _, zeros = metrics_lib.series(records, "act/zero_frac")
+    _, kept = metrics_lib.series(records, "act/kept_l1")
+    steps, val = metrics_lib.series(records, "val/loss")
+    # no dense phase: nothing to report (the final val loss is in the table above)
+    sparse = steps <= dense_from if dense_from < cfg.total_steps else np.zeros(len(steps), bool)
+    val_sparse = f"{val[sparse][-1]:.3f} ({int(steps[sparse][-1])})" if sparse.any() else "-"
+    lines.append(f"| {r.name} | {np.mean(zeros):.3f} | {np.mean(kept):.3f} | {val_sparse} |")
+  return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--root", default="runs/compare_venom")
+  parser.add_argument("--steps", type=int, default=0,
+                      help="override total_steps of every run (0: the tiny default, 600)")
+  parser.add_argument("--only", default="", help="comma-separated run names")
+  args = parser.parse_args(argv)
+  runs = RUNS
+  if args.only:
+    names = args.only.split(",")
+    unknown = sorted(set(names) - {r.name for r in RUNS})
+    if unknown:
+      raise SystemExit(f"unknown runs {unknown}; valid: {', '.join(r.name for r in RUNS)}")
+    runs = [r for r in RUNS if r.name in names]
+  if args.steps:
+    runs = [compare.Run(r.name, r.config, {**r.overrides, "total_steps": args.steps})
+            for r in runs]
+  table = compare.run_all(runs, args.root, extra_keys=("act/zero_frac", "act/kept_l1"))
+  table = table.replace("act/zero_frac", "zeros_end").replace("act/kept_l1", "kept_l1_end")
+  table += "\n\n" + _extra_table(runs, args.root)
+  print(table)
+  with open(os.path.join(args.root, "table.md"), "w", encoding="utf-8") as f:
+    f.write(table + "\n")
+
+
+if __name__ == "__main__":
+  main()
