@@ -53,6 +53,27 @@ class SparsityConfig:
   act_n: int = 2
   act_m: int = 8
   act_backend: str = "xla"
+  # Hu et al. 2024 (projection 't_sr_ste'): optimizer steps between refreshes of the cached
+  # transposable mask (state['mask']); the forward uses the cached mask in between.
+  mask_refresh_every: int = 40
+  # Weight gradient of the sparse layers from the unbiased MVUE 2:4 estimate of dY^T along
+  # the tokens (s24jax/sparse_ops.py; Hu et al. 2024, S-STE). Needs batch x seq_len % 4 == 0.
+  mvue: bool = False
+  # Automatic lambda_W (s24jax/decay_control.py), only when decay == 0 and decay_auto: a
+  # controller multiplies lambda by decay_auto_rate (or divides) whenever the smoothed global
+  # flip rate leaves [target / band, target * band], starting at decay_auto_init, during the
+  # first decay_auto_steps optimizer steps (0: optim.warmup_steps); then lambda is frozen.
+  decay_auto: bool = False
+  decay_auto_init: float = 6e-5
+  decay_auto_target: float = 3e-3
+  decay_auto_band: float = 2.0
+  decay_auto_rate: float = 1.1
+  decay_auto_steps: int = 0
+  # Flip-rate warning (s24jax/flip_monitor.py): absl warning and train/flip_rate_warning = 1
+  # when the logged global flip rate exceeds flip_rate_warn for flip_rate_warn_patience
+  # consecutive logs; 0 turns it off.
+  flip_rate_warn: float = 0.05
+  flip_rate_warn_patience: int = 5
 
   def __post_init__(self):
     if self.decay_placement not in DECAY_PLACEMENTS:
@@ -71,6 +92,25 @@ class SparsityConfig:
     if not 0.0 <= self.dense_finetune_fraction <= 1.0:
       raise ValueError("sparsity.dense_finetune_fraction must be in [0, 1], got "
                        f"{self.dense_finetune_fraction}")
+    if self.mask_refresh_every < 1:
+      raise ValueError(f"sparsity.mask_refresh_every must be >= 1 (optimizer steps), got "
+                       f"{self.mask_refresh_every}")
+    if self.decay_auto:
+      if self.decay_placement == "backward":
+        raise ValueError("sparsity.decay_auto chooses lambda_W in the optimizer; use "
+                         "sparsity.decay_placement 'gradients' or 'weights', not 'backward'")
+      if not (self.decay_auto_init > 0 and self.decay_auto_target > 0
+              and self.decay_auto_band > 1 and self.decay_auto_rate > 1
+              and self.decay_auto_steps >= 0):
+        raise ValueError("sparsity.decay_auto needs decay_auto_init > 0, decay_auto_target > 0, "
+                         "decay_auto_band > 1, decay_auto_rate > 1, decay_auto_steps >= 0; got "
+                         f"{self.decay_auto_init}, {self.decay_auto_target}, "
+                         f"{self.decay_auto_band}, {self.decay_auto_rate}, "
+                         f"{self.decay_auto_steps}")
+    if self.flip_rate_warn < 0 or self.flip_rate_warn_patience < 1:
+      raise ValueError("sparsity.flip_rate_warn must be >= 0 (0 = off) and "
+                       "sparsity.flip_rate_warn_patience >= 1; got "
+                       f"{self.flip_rate_warn}, {self.flip_rate_warn_patience}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +152,10 @@ def _fields(cls, cfg) -> dict[str, Any]:
 
 
 def sparsity_config(config: ml_collections.ConfigDict) -> SparsityConfig:
-  return SparsityConfig(**_fields(SparsityConfig, config.sparsity))
+  sparsity = SparsityConfig(**_fields(SparsityConfig, config.sparsity))
+  if sparsity.decay_auto and not sparsity.decay_auto_steps:   # 0: lambda_W is chosen in warm-up
+    sparsity = dataclasses.replace(sparsity, decay_auto_steps=int(config.optim.warmup_steps))
+  return sparsity
 
 
 def model_config(config: ml_collections.ConfigDict, *, dense: bool = False) -> ModelConfig:

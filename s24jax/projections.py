@@ -42,6 +42,13 @@ class Projection:
   # True when apply(w) is dense (no 2:4 constraint, no mask to monitor).
   is_dense: bool = False
   update_state: Callable[[jax.Array, State, jax.Array, Any], dict[str, jax.Array]] | None = None
+  # True when the forward reads a cached mask state['mask'] that train_step recomputes with
+  # `mask(w)` only every `sparsity.mask_refresh_every` optimizer steps (t_sr_ste: the
+  # transposable mask, Hu et al. 2024); in between the forward keeps the cached mask.
+  mask_refresh: bool = False
+  # True when the method takes SR-STE's masked decay lambda_W (1 - m) W in the optimizer
+  # (placements 'gradients' / 'weights', s24jax/optim.py) on its mask state['mask'].
+  masked_decay: bool = False
   doc: str = ""
 
 
@@ -180,6 +187,40 @@ s_ste24.defvjp(_s_ste24_fwd, _s_ste24_bwd)
 
 
 # ---------------------------------------------------------------------------------------------
+# t_sr_ste: cached transposable mask, STE + masked decay (Hu et al. 2024).
+
+
+@jax.custom_vjp
+def masked_ste24(w: jax.Array, mask: jax.Array, decay: jax.Array) -> jax.Array:
+  """Forward W~ = mask * W with a given (cached) 2:4 mask; backward STE + masked decay.
+
+  Backward: dL/dW := dL/dW~ + decay * (1 - mask) * W. `decay` is 0 unless
+  sparsity.decay_placement is 'backward' (Hu et al. put it on the gradients, in the
+  optimizer). The mask is a bool input and `decay` a hyper-parameter: no cotangents.
+  With the transposable mask (`masks.transposable_mask`) W~ is 2:4 along both `in` and
+  `out`, so the data-gradient GEMM dX = dY W~ of `sparse_ops` is 2:4 sparse too.
+  """
+  return jnp.where(mask, w, 0)
+
+
+def _masked_ste24_fwd(w, mask, decay):
+  return masked_ste24(w, mask, decay), (w, mask, decay)
+
+
+def _masked_ste24_bwd(res, g):
+  w, mask, decay = res
+  return g + (decay * jnp.where(mask, 0, w)).astype(g.dtype), None, jnp.zeros_like(decay)
+
+
+masked_ste24.defvjp(_masked_ste24_fwd, _masked_ste24_bwd)
+
+
+def _t_sr_ste_apply(w, state, cfg):
+  decay = state.get("decay", cfg.decay) if cfg.decay_placement == "backward" else 0.0
+  return masked_ste24(w, state["mask"], jnp.asarray(decay, jnp.float32))
+
+
+# ---------------------------------------------------------------------------------------------
 # Registry.
 
 _REGISTRY: dict[str, Projection] = {}
@@ -235,7 +276,13 @@ register_projection("dense", Projection(
     doc="No sparsity: W~ = W."))
 register_projection("ste", Projection(
     "ste", lambda w, state, cfg: ste24(w), doc=ste24.__doc__))
-register_projection("sr_ste", Projection("sr_ste", _sr_ste_apply, doc=sr_ste24.__doc__))
+register_projection("sr_ste", Projection("sr_ste", _sr_ste_apply, masked_decay=True,
+                                          doc=sr_ste24.__doc__))
+# Hu et al. 2024: transposable mask ("by convolution"), cached in state['mask'] and refreshed
+# every sparsity.mask_refresh_every steps; SR-STE masked decay on that mask.
+register_projection("t_sr_ste", Projection(
+    "t_sr_ste", _t_sr_ste_apply, mask=masks.transposable_mask, mask_refresh=True,
+    masked_decay=True, doc=masked_ste24.__doc__))
 register_projection("s_ste", Projection(
     "s_ste", lambda w, state, cfg: s_ste24(w, state["scale"]),
     init_state=lambda w: {"scale": s_ste_scale(w)}, update_state=s_ste_update_state,

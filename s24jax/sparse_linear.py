@@ -4,8 +4,11 @@ Every linear layer of the model is a `SparseLinear`; whether it is 2:4 sparse is
 matching its module path against `SparsityConfig.sparse_layers`. The kernel is stored as
 W [out, in] (DESIGN.md notation) so that the 2:4 groups run along the last axis.
 
-`linear(x, w_tilde, backend=...)` is the single place where y = x W~^T is computed: the
-`xla` backend is the reference; faster backends (Pallas, cuSPARSELt) plug in here.
+`linear(x, w_tilde, backend=..., sparse=...)` is the single place where y = x W~^T is
+computed. Sparse layers go through the three-GEMM op `sparse_ops.sparse_linear` (forward,
+data gradient and weight gradient all 2:4 sparse, MVUE optional); its `xla` backend is the
+reference and faster backends (Pallas, cuSPARSELt) plug in there. Dense layers are one XLA
+matmul with the autodiff backward.
 """
 from __future__ import annotations
 
@@ -17,17 +20,27 @@ import jax
 import jax.numpy as jnp
 
 from s24jax import projections
+from s24jax import sparse_ops
 from s24jax.config import SparsityConfig
 
-BACKENDS = ("xla",)
+BACKENDS = sparse_ops.BACKENDS
 
 
-def linear(x: jax.Array, w: jax.Array, *, backend: str = "xla") -> jax.Array:
-  """y = x W^T for x (..., in) and W (out, in), in x's dtype with float32 accumulation."""
-  if backend == "xla":
-    return jnp.einsum("...i,oi->...o", x, w.astype(x.dtype),
-                      preferred_element_type=jnp.float32).astype(x.dtype)
-  raise ValueError(f"unknown sparsity.backend {backend!r}; valid: {', '.join(BACKENDS)}")
+def linear(x: jax.Array, w: jax.Array, *, backend: str = "xla", sparse: bool = False,
+           key: jax.Array | None = None, mvue: bool = False) -> jax.Array:
+  """y = x W^T for x (..., in) and W (out, in), in x's dtype with float32 accumulation.
+
+  sparse=True: W is the 2:4 projected weight W~ and all three GEMMs go through
+  `sparse_ops.sparse_linear` on `backend` (with the MVUE weight gradient if `mvue`, drawn
+  with `key`). sparse=False: a dense XLA matmul whatever the backend (sparse kernels cannot
+  run a dense weight).
+  """
+  if backend not in BACKENDS:
+    raise ValueError(f"unknown sparsity.backend {backend!r}; valid: {', '.join(BACKENDS)}")
+  if sparse:
+    return sparse_ops.sparse_linear(x, w, key, mvue=mvue, backend=backend)
+  return jnp.einsum("...i,oi->...o", x, w.astype(x.dtype),
+                    preferred_element_type=jnp.float32).astype(x.dtype)
 
 
 def is_sparse_path(path: str, sparsity: SparsityConfig) -> bool:
@@ -39,6 +52,16 @@ def is_sparse_path(path: str, sparsity: SparsityConfig) -> bool:
 
 def get_projection_for(sparsity: SparsityConfig) -> projections.Projection:
   return projections.get_projection(sparsity.projection)
+
+
+def _initial_mask(proj: projections.Projection, kernel: jax.Array, path: str) -> jax.Array:
+  """proj.mask(kernel), with the layer named in a shape error (e.g. a transposable mask
+  needs `out` to be a multiple of 4 as well)."""
+  try:
+    return proj.mask(kernel)
+  except ValueError as e:
+    raise ValueError(f"sparse layer {path!r} (kernel {tuple(kernel.shape)} = (out, in)): "
+                     f"{e}") from None
 
 
 class SparseLinear(nn.Module):
@@ -63,7 +86,8 @@ class SparseLinear(nn.Module):
     kernel = self.param("kernel", self.kernel_init, (self.features, in_features))  # (out, in)
     path = "/".join(self.path)
     w = kernel
-    if is_sparse_path(path, self.sparsity):
+    sparse = is_sparse_path(path, self.sparsity)
+    if sparse:
       if in_features % 4:
         raise ValueError(f"sparse layer {path!r}: its input dimension (in_features) is "
                          f"{in_features}, not a multiple of 4, so it cannot be 2:4 sparse "
@@ -72,13 +96,18 @@ class SparseLinear(nn.Module):
       if self.is_initializing():
         for name, value in proj.init_state(kernel).items():
           self.variable("sparsity", name, lambda v=value: v)
-        self.variable("sparsity", "mask", lambda: proj.mask(kernel))
+        self.variable("sparsity", "mask", lambda: _initial_mask(proj, kernel, path))
       state = dict(self.variables.get("sparsity", {}))
       w = proj.apply(kernel, state, self.sparsity)
     if self.matmul is not None:
       y = self.matmul(x.astype(self.dtype), w)                           # (..., out)
     else:
-      y = linear(x.astype(self.dtype), w, backend=self.sparsity.backend)  # (..., out)
+      # MVUE's key: per step from train_step's rngs={'mvue': ...}, per layer by make_rng
+      # (which folds in this module's path); None outside training (forward only).
+      key = (self.make_rng("mvue") if sparse and self.sparsity.mvue and self.has_rng("mvue")
+             else None)
+      y = linear(x.astype(self.dtype), w, backend=self.sparsity.backend, sparse=sparse,
+                 key=key, mvue=self.sparsity.mvue)                        # (..., out)
     if self.use_bias:
       y = y + self.param("bias", nn.initializers.zeros, (self.features,)).astype(self.dtype)
     return y

@@ -1,0 +1,138 @@
+"""The fully sparse linear op: all three GEMMs of a linear layer 2:4 sparse (Hu et al. 2024).
+
+For y = x W~^T with x (N, in) tokens and W~ (out, in) the projected weight (DESIGN.md sec. 4):
+
+  forward   y  = x W~^T          W~ is 2:4 along `in`                  (_fwd_gemm)
+  data grad dX = dY W~           W~ is 2:4 along `out` too when its mask is transposable
+                                 (`projections` 't_sr_ste'), so this GEMM is sparse as well
+                                                                      (_dgrad_gemm)
+  weight    dW~ = MVUE(dY^T) x   dY^T (out, N) made 2:4 along the tokens by the unbiased
+  grad                           estimator `masks.mvue24` when `mvue` is on; plain dY^T x
+                                 otherwise                            (_wgrad_gemm)
+
+The op is a `jax.custom_vjp` over (x, w_tilde, key): it sits *after* the projection
+W -> W~ (whose own backward rule, e.g. straight-through plus masked decay, maps dW~ to dW)
+and before nothing else, so projections and GEMMs stay independent. The bias is added by
+the caller and its gradient stays dense.
+
+Extending it: every GEMM is a small named helper taking the static `GemmOptions`, so a fast
+backend (a Pallas kernel on compressed values + metadata, cuSPARSELt) or low-precision
+operands (FP8) change one helper and add one option field; the `xla` backend below is the
+reference every other backend is tested against. With `backend='xla'` the GEMMs are dense
+matmuls on the masked matrices (mathematically the sparse product; no speed-up).
+
+The key: MVUE needs randomness in the backward pass. The caller passes a PRNG key per layer
+and per step (`SparseLinear` draws it with `make_rng('mvue')` from the `rngs={'mvue': ...}`
+that `train.train_step` derives from fold_in(state.rng, step)). A key of None is fine for a
+forward-only call; differentiating with mvue on and no key raises.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from s24jax import masks
+
+BACKENDS = ("xla",)
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmOptions:
+  """Static options of the three GEMMs (hashable: a non-differentiable custom_vjp argument)."""
+  mvue: bool = False        # weight gradient from the MVUE 2:4 estimate of dY^T
+  backend: str = "xla"      # GEMM implementation; 'xla' is the reference
+
+  def __post_init__(self):
+    if self.backend not in BACKENDS:
+      raise ValueError(f"unknown sparsity.backend {self.backend!r}; valid: "
+                       f"{', '.join(BACKENDS)}")
+
+
+def _matmul_f32(a: jax.Array, b: jax.Array, dims) -> jax.Array:
+  """dot_general with float32 accumulation (bf16 operands on GPU, float32 on CPU)."""
+  return jax.lax.dot_general(a, b, (dims, ((), ())), preferred_element_type=jnp.float32)
+
+
+def _fwd_gemm(x: jax.Array, w: jax.Array, opts: GemmOptions) -> jax.Array:
+  """y = x W~^T: x (N, in), W~ (out, in) 2:4 along `in` -> (N, out) float32."""
+  del opts  # one backend so far
+  return _matmul_f32(x, w, ((1,), (1,)))                         # (N, out)
+
+
+def _dgrad_gemm(dy: jax.Array, w: jax.Array, opts: GemmOptions) -> jax.Array:
+  """dX = dY W~: dY (N, out), W~ (out, in) 2:4 along `out` if transposable -> (N, in) f32."""
+  del opts
+  return _matmul_f32(dy, w, ((1,), (0,)))                        # (N, in)
+
+
+def _wgrad_operand(dy: jax.Array, key: jax.Array | None, opts: GemmOptions) -> jax.Array:
+  """dY^T (out, N), 2:4 along the tokens (MVUE) when opts.mvue; exact otherwise."""
+  dy_t = dy.T                                                    # (out, N)
+  if not opts.mvue:
+    return dy_t
+  if key is None:
+    raise ValueError("the sparse linear op has sparsity.mvue=True but got no PRNG key: "
+                     "apply the model with rngs={'mvue': key} when taking gradients "
+                     "(train.train_step does).")
+  n = dy_t.shape[-1]
+  if n % 4:
+    raise ValueError(f"MVUE makes dY^T 2:4 along the tokens, so the number of tokens per "
+                     f"step (batch x sequence length, here {n}) must be a multiple of 4.")
+  return masks.mvue24(key, dy_t)                                 # (out, N)
+
+
+def _wgrad_gemm(dy: jax.Array, x: jax.Array, key: jax.Array | None,
+                opts: GemmOptions) -> jax.Array:
+  """dW~ = est(dY^T) x: dY (N, out), x (N, in) -> (out, in) float32."""
+  dy_t = _wgrad_operand(dy, key, opts)                           # (out, N)
+  return _matmul_f32(dy_t, x, ((1,), (0,)))                      # (out, in)
+
+
+# opts (argument 0) is static configuration, not an array.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _sparse_linear_2d(opts: GemmOptions, x: jax.Array, w: jax.Array,
+                      key: jax.Array | None) -> jax.Array:
+  return _fwd_gemm(x, w.astype(x.dtype), opts).astype(x.dtype)
+
+
+def _sparse_linear_2d_fwd(opts, x, w, key):
+  return _sparse_linear_2d(opts, x, w, key), (x, w, key)
+
+
+def _sparse_linear_2d_bwd(opts, res, dy):
+  x, w, key = res
+  dx = _dgrad_gemm(dy, w.astype(dy.dtype), opts).astype(x.dtype)    # (N, in)
+  dw = _wgrad_gemm(dy, x.astype(dy.dtype), key, opts).astype(w.dtype)  # (out, in)
+  dkey = None if key is None else np.zeros(key.shape, jax.dtypes.float0)
+  return dx, dw, dkey
+
+
+_sparse_linear_2d.defvjp(_sparse_linear_2d_fwd, _sparse_linear_2d_bwd)
+
+
+def sparse_linear(x: jax.Array, w: jax.Array, key: jax.Array | None = None, *,
+                  mvue: bool = False, backend: str = "xla") -> jax.Array:
+  """y = x W~^T for x (..., in) and a 2:4 W~ (out, in), with the three-GEMM backward.
+
+  Args:
+    x: activations (..., in); the compute dtype (y and dX come back in it).
+    w: the projected weight W~ (out, in), already 2:4 (the projection's output); its
+      gradient comes back in w's dtype.
+    key: PRNG key for MVUE (per layer, per step); only used when `mvue` and differentiated.
+    mvue: estimate the weight gradient from MVUE(dY^T), 2:4 along tokens (unbiased).
+    backend: GEMM implementation, one of BACKENDS.
+
+  Returns:
+    y (..., out) in x's dtype, accumulated in float32.
+  """
+  opts = GemmOptions(mvue=mvue, backend=backend)
+  if x.shape[-1] != w.shape[-1]:
+    raise ValueError(f"sparse_linear: x has {x.shape[-1]} input features (last axis of "
+                     f"{tuple(x.shape)}) but W~ {tuple(w.shape)} expects {w.shape[-1]}.")
+  lead = x.shape[:-1]
+  y = _sparse_linear_2d(opts, x.reshape(-1, x.shape[-1]), w, key)   # (N, out)
+  return y.reshape(*lead, w.shape[0])                                # (..., out)
