@@ -1,0 +1,48 @@
+"""Every experiment file and variant builds a config and an abstract model, without running."""
+import glob
+import os
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from s24jax import compare
+from s24jax import config as config_lib
+from s24jax import loop
+from s24jax import train
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FILES = sorted(glob.glob(os.path.join(REPO, "experiments", "gpt2_*.py")))
+# Paper-scale parameter counts (tied embeddings, padded vocab): a wrong size would show here.
+EXPECTED_PARAMS_M = {"124m": 124, "350m": 354, "774m": 773, "1558m": 1556}
+
+
+def test_the_four_foundation_recipes_exist():
+  names = {os.path.basename(f) for f in FILES}
+  assert {"gpt2_dense.py", "gpt2_ste.py", "gpt2_sr_ste.py", "gpt2_s_ste.py"} <= names
+
+
+@pytest.mark.parametrize("path", FILES, ids=os.path.basename)
+@pytest.mark.parametrize("variant", config_lib.VARIANTS)
+def test_builds_config_and_abstract_state(path, variant):
+  """Traces one block of the model (blocks are identical) to keep this fast at 1.5B."""
+  config = compare.load_config(f"{path}:{variant}")
+  assert config.seed == 0 and config.total_steps > 0
+  num_layers = config.model.num_layers
+  config.model.num_layers = 1
+  model, dense_model, tx_fn = loop.build(config)
+  abstract = jax.eval_shape(lambda: train.init_state(model, tx_fn, config.seed))
+  count = lambda tree: sum(x.size for x in jax.tree.leaves(tree))
+  n = count(abstract.params) + (num_layers - 1) * count(abstract.params["h_0"])
+  if variant in EXPECTED_PARAMS_M and model.config.activation in ("gelu", "relu", "relu2") \
+      and model.config.mlp_ratio == 4.0:
+    assert abs(n / 1e6 - EXPECTED_PARAMS_M[variant]) < 0.01 * EXPECTED_PARAMS_M[variant], n
+  # the dense twin (fine-tuning phase) has the same parameters
+  dense_params = jax.eval_shape(
+      lambda: dense_model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
+  assert jax.tree.structure(dense_params) == jax.tree.structure(abstract.params)
+
+
+def test_unknown_variant_lists_valid():
+  with pytest.raises(ValueError, match="tiny.*124m.*1558m"):
+    compare.load_config(f"{FILES[0]}:125m")
