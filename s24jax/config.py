@@ -17,6 +17,7 @@ from typing import Any
 
 import ml_collections
 
+from s24jax import attention_masks
 from s24jax import data as data_lib
 
 # GPT-2 sizes from DESIGN.md section 6: (layers, heads, width).
@@ -124,6 +125,10 @@ class ModelConfig:
   mlp_ratio: float = 4.0
   activation: str = "gelu"
   dtype: str = "float32"      # compute dtype; parameters stay float32
+  # Attention pattern (s24jax/attention_masks.py): 'causal' (dense), or MST's Hybrid Sparse
+  # Attention patterns 'strided' / 'local_strided' with stride (and local window) l.
+  attention: str = "causal"
+  attention_stride: int = 128
   sparsity: SparsityConfig = SparsityConfig()
 
   @property
@@ -141,6 +146,7 @@ class ModelConfig:
     if self.d_model % self.num_heads:
       raise ValueError(f"model.d_model={self.d_model} is not divisible by "
                        f"model.num_heads={self.num_heads}")
+    attention_masks.check_pattern(self.attention, self.attention_stride)
 
 
 def _fields(cls, cfg) -> dict[str, Any]:
@@ -183,6 +189,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.mlp_ratio = 4.0
   c.model.activation = "gelu"
   c.model.dtype = "auto"          # bfloat16 on GPU/TPU, float32 on CPU
+  c.model.attention = "causal"    # outside MST's sparse-attention window (attention_masks.py)
+  c.model.attention_stride = 128  # l of the strided / local_strided patterns
 
   c.sparsity = ml_collections.ConfigDict(dataclasses.asdict(SparsityConfig()))
   c.sparsity.sparse_layers = ("*/mlp/*",)
@@ -210,7 +218,34 @@ def base_config() -> ml_collections.ConfigDict:
   # forward pass on the first this-many sequences of the step's batch; 0 = off.
   c.act_stats_sequences = 0
   c.stop_at_step = -1             # debug/preemption test: leave the loop at this step
+  c.mst = mst_config()
   return c
+
+
+def mst_config() -> ml_collections.ConfigDict:
+  """Mixed Sparsity Training (s24jax/mst.py; DESIGN.md section 4). Active when
+  sparsity.projection == 'mst' (topology) and mst.sparse_attention != 'causal' (attention)."""
+  m = ml_collections.ConfigDict()
+  m.update_every = 100            # Delta: steps between topology updates
+  m.drop_fraction = 0.3           # zeta: drop fraction, cosine-annealed zeta/2 (1 + cos(pi t/T))
+  m.anneal_per_phase = False      # restart the cosine in every sparsity phase (piecewise)
+  m.grow_ratio = 3.0              # r: a share r/(r+1) of regrowth by |gradient|, the rest random
+  m.distribution = "erdos_renyi"  # layer densities: 'erdos_renyi' or 'uniform'
+  # Sparsity Variation: three phases (fractions of total_steps); in each phase the target
+  # sparsity moves by a cosine ramp over the first `ramp_fraction` of the phase to the phase's
+  # level, then holds it: warm-up -> target, ultra-sparsification -> ultra, restoration -> final.
+  m.initial_sparsity = 0.0        # dense start
+  m.target_sparsity = 0.8
+  m.ultra_sparsity = 0.9
+  m.final_sparsity = 0.7          # restoration: back toward dense
+  m.phase_fractions = (0.25, 0.5, 0.25)
+  m.ramp_fraction = 0.5
+  # Hybrid Sparse Attention: this pattern during [start, end) (fractions of total_steps),
+  # model.attention outside; 'causal' turns it off.
+  m.sparse_attention = "causal"
+  m.sparse_attention_start = 0.25
+  m.sparse_attention_end = 0.75
+  return m
 
 
 def apply_variant(c: ml_collections.ConfigDict, variant: str | None) -> ml_collections.ConfigDict:

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from s24jax import act_sparsity
 from s24jax import activations
+from s24jax import attention_masks
 from s24jax.config import ModelConfig
 from s24jax.sparse_linear import SparseLinear
 
@@ -38,7 +39,11 @@ class CausalSelfAttention(nn.Module):
     qkv = SparseLinear(3 * C, cfg.sparsity, dtype=dtype, name="qkv")(x)       # (B, T, 3C)
     q, k, v = jnp.split(qkv.reshape(B, T, 3, nh, hd), 3, axis=2)             # (B, T, 1, nh, hd)
     q, k, v = (a.squeeze(2) for a in (q, k, v))                               # (B, T, nh, hd)
-    y = jax.nn.dot_product_attention(q, k, v, is_causal=True)                # (B, T, nh, hd)
+    if cfg.attention == "causal":
+      y = jax.nn.dot_product_attention(q, k, v, is_causal=True)              # (B, T, nh, hd)
+    else:   # Hybrid Sparse Attention (MST): the pattern already includes causality
+      mask = attention_masks.attention_mask(cfg.attention, T, cfg.attention_stride)  # (T, T)
+      y = jax.nn.dot_product_attention(q, k, v, mask=mask[None, None])       # (B, T, nh, hd)
     out_init = nn.initializers.normal(0.02 / math.sqrt(2 * cfg.num_layers))
     return SparseLinear(C, cfg.sparsity, dtype=dtype, kernel_init=out_init,
                         name="out")(y.reshape(B, T, C))                       # (B, T, C)

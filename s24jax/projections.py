@@ -42,6 +42,10 @@ class Projection:
   # True when apply(w) is dense (no 2:4 constraint, no mask to monitor).
   is_dense: bool = False
   update_state: Callable[[jax.Array, State, jax.Array, Any], dict[str, jax.Array]] | None = None
+  # True when the mask is train state (state['mask'], dynamic sparse training, s24jax/mst.py)
+  # rather than a function of W: `mask(w)` is then only the initial mask, train_step keeps
+  # state['mask'] as it is and feeds only the active entries' gradients to the optimizer.
+  mask_in_state: bool = False
   # True when the forward reads a cached mask state['mask'] that train_step recomputes with
   # `mask(w)` only every `sparsity.mask_refresh_every` optimizer steps (t_sr_ste: the
   # transposable mask, Hu et al. 2024); in between the forward keeps the cached mask.
@@ -187,6 +191,32 @@ s_ste24.defvjp(_s_ste24_fwd, _s_ste24_bwd)
 
 
 # ---------------------------------------------------------------------------------------------
+# mst: unstructured mask kept in the state (Mixed Sparsity Training, dynamic sparse training).
+
+
+@jax.custom_vjp
+def masked_dense_grad(w: jax.Array, mask: jax.Array) -> jax.Array:
+  """Forward W~ = mask * W (any unstructured bool mask); backward dL/dW := dL/dW~, dense.
+
+  The dense gradient reaches the pruned entries too: MST grows connections where |dL/dW~|
+  is largest. train_step then keeps only the active entries' gradients (so pruned weights
+  stay exactly 0 under Adam); the topology update (s24jax/mst.py) reads the dense one.
+  """
+  return jnp.where(mask, w, 0)
+
+
+def _masked_dense_grad_fwd(w, mask):
+  return masked_dense_grad(w, mask), None
+
+
+def _masked_dense_grad_bwd(_, g):
+  return g, None   # the mask is a bool input: no cotangent
+
+
+masked_dense_grad.defvjp(_masked_dense_grad_fwd, _masked_dense_grad_bwd)
+
+
+# ---------------------------------------------------------------------------------------------
 # t_sr_ste: cached transposable mask, STE + masked decay (Hu et al. 2024).
 
 
@@ -287,3 +317,8 @@ register_projection("s_ste", Projection(
     "s_ste", lambda w, state, cfg: s_ste24(w, state["scale"]),
     init_state=lambda w: {"scale": s_ste_scale(w)}, update_state=s_ste_update_state,
     doc=s_ste24.__doc__))
+# MST: the live mask is state['mask'] (set by s24jax.mst's topology updates); training starts
+# dense (the warm-up phase prunes from there), so the initial mask is all ones.
+register_projection("mst", Projection(
+    "mst", lambda w, state, cfg: masked_dense_grad(w, state["mask"]),
+    mask=lambda w: jnp.ones(w.shape, bool), mask_in_state=True, doc=masked_dense_grad.__doc__))

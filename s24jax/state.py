@@ -54,6 +54,16 @@ def with_masks(sparsity: Any, new_masks: dict[tuple[str, ...], jax.Array]) -> An
   return traverse_util.unflatten_dict(flat)
 
 
+def mask_sparse_kernels(tree: Any, sparsity: Any) -> Any:
+  """Zeros every sparse layer's kernel entries outside its stored 'mask' in a params-shaped
+  tree (params, gradients); other leaves are returned as they are."""
+  tree = flax.core.unfreeze(jax.tree.map(lambda x: x, tree))
+  for path in sparse_layer_paths(sparsity):
+    layer = get_path(tree, path)
+    layer["kernel"] = jax.numpy.where(get_path(sparsity, path)["mask"], layer["kernel"], 0)
+  return tree
+
+
 def num_sparse_weights(params: Any, sparsity: Any) -> int:
   return sum(get_path(params, p)["kernel"].size for p in sparse_layer_paths(sparsity))
 

@@ -1,0 +1,215 @@
+"""Training FLOP accounting: what each step needs given the masks and the attention pattern.
+
+Counted per step (a multiply-add is 2 FLOPs; tokens = batch_size * seq_len):
+- linear layers (every `SparseLinear` kernel W (out, in), nnz of its entries active):
+  forward x W~^T 2 nnz, input gradient dY W~ 2 nnz, weight gradient dY^T x at the active
+  entries 2 nnz, per token: 6 nnz tokens (dense: nnz = out * in, the usual 6 N tokens);
+- attention scores Q K^T and values A V, per layer and sequence: 2 C FLOPs per allowed
+  (query, key) pair for each of the two matmuls, forward 4 C pairs, with the backward
+  (twice the forward) 12 C pairs; pairs = T (T + 1) / 2 for dense causal attention (only the
+  pairs a causal kernel needs, not the T^2 of model.flops_per_token), fewer for the strided
+  patterns (s24jax/attention_masks.py);
+- the tied lm head (dense): 6 V C tokens;
+- an MST topology update (s24jax/mst.py) adds one forward/backward on the step's batch for
+  the dense gradient: linear 4 nnz + 2 out*in (the dense weight gradient) per token,
+  attention 12 C pairs, head 4 V C per token (no head weight gradient).
+Not counted: layer norms, softmax, activations, residual adds, embedding gathers and the
+optimizer (all O(params) or O(tokens * C), not O(tokens * params)).
+
+The dense reference of a run is the same config with every kernel dense, dense causal
+attention at every step and no topology updates.
+
+    python -m s24jax.flops experiments/gpt2_mst.py:124m
+
+prints the planned totals of a config without training (the masks of an MST run follow the
+schedule exactly, so the plan equals what the loop logs).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import flax
+import numpy as np
+from flax import traverse_util
+
+from s24jax import attention_masks
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFlops:
+  """FLOPs by part; `total` = linear + attention + head. The MST updates' extra pass is
+  included in those three parts; `update` says how much of the total it is."""
+  linear: float = 0.0
+  attention: float = 0.0
+  head: float = 0.0
+  update: float = 0.0     # of the above: MST topology updates' extra forward/backward
+
+  @property
+  def total(self) -> float:
+    return self.linear + self.attention + self.head
+
+  def __add__(self, other: "StepFlops") -> "StepFlops":
+    return StepFlops(*(getattr(self, f.name) + getattr(other, f.name)
+                       for f in dataclasses.fields(self)))
+
+
+def linear_kernel_shapes(params: Any) -> dict[str, tuple[int, int]]:
+  """(out, in) of every linear kernel in the params ('h_0/attn/qkv' -> (3C, C)); embeddings,
+  positions, norms and biases are not kernels."""
+  flat = traverse_util.flatten_dict(flax.core.unfreeze(params))
+  return {"/".join(k[:-1]): tuple(v.shape) for k, v in flat.items()
+          if k[-1] == "kernel" and len(v.shape) == 2}
+
+
+def attention_flops(model_cfg, attention: str, *, batch_size: int, seq_len: int) -> float:
+  """12 C pairs per layer and sequence: score and value matmuls, forward and backward."""
+  pairs = attention_masks.allowed_pairs(attention, seq_len, model_cfg.attention_stride)
+  return 12.0 * model_cfg.num_layers * model_cfg.d_model * pairs * batch_size
+
+
+def step_flops(model_cfg, shapes: Mapping[str, tuple[int, int]], nnz: Mapping[str, int], *,
+               batch_size: int, seq_len: int, attention: str,
+               topology_update: bool = False) -> StepFlops:
+  """FLOPs of one training step. `nnz` maps kernel names to their active count (kernels not
+  in it are dense); `topology_update` adds the MST update's dense-gradient pass."""
+  unknown = set(nnz) - set(shapes)
+  if unknown:
+    raise ValueError(f"nnz given for unknown linear layers {sorted(unknown)}; the model's are "
+                     f"{sorted(shapes)}")
+  tokens = batch_size * seq_len
+  active = sum(int(nnz.get(k, o * i)) for k, (o, i) in shapes.items())
+  size = sum(o * i for o, i in shapes.values())
+  att = attention_flops(model_cfg, attention, batch_size=batch_size, seq_len=seq_len)
+  vc = model_cfg.vocab_size * model_cfg.d_model
+  train = StepFlops(linear=6.0 * active * tokens, attention=att, head=6.0 * vc * tokens)
+  if not topology_update:
+    return train
+  extra = StepFlops(linear=(4.0 * active + 2.0 * size) * tokens, attention=att,
+                    head=4.0 * vc * tokens)
+  return dataclasses.replace(train + extra, update=extra.total)
+
+
+class Accountant:
+  """Accumulates the training FLOPs of a run and of its dense reference, step by step."""
+
+  def __init__(self, model_cfg, shapes: Mapping[str, tuple[int, int]], *, batch_size: int,
+               seq_len: int):
+    self.model_cfg = model_cfg
+    self.shapes = dict(shapes)
+    self.batch_size, self.seq_len = batch_size, seq_len
+    self.total = StepFlops()
+    self.dense_total = StepFlops()
+    self.last = StepFlops()
+    self.steps = 0
+    self._cache: dict[Any, StepFlops] = {}
+
+  def _step(self, nnz: Mapping[str, int], attention: str, update: bool) -> StepFlops:
+    key = (tuple(sorted(nnz.items())), attention, update)
+    if key not in self._cache:
+      self._cache[key] = step_flops(self.model_cfg, self.shapes, nnz, batch_size=self.batch_size,
+                                    seq_len=self.seq_len, attention=attention,
+                                    topology_update=update)
+    return self._cache[key]
+
+  def add(self, nnz: Mapping[str, int], attention: str, *, topology_update: bool = False) -> None:
+    """Counts one step with these active counts and attention pattern."""
+    self.last = self._step(nnz, attention, topology_update)
+    self.total = self.total + self.last
+    self.dense_total = self.dense_total + self._step({}, "causal", False)
+    self.steps += 1
+
+  def scalars(self) -> dict[str, float]:
+    """For the metrics log: cumulative totals, the dense reference and their ratio."""
+    dense = self.dense_total.total
+    return {"flops/step": self.last.total, "flops/total": self.total.total,
+            "flops/dense_total": dense,
+            "flops/fraction_of_dense": self.total.total / dense if dense else float("nan")}
+
+
+def summary(acct: Accountant) -> dict[str, float]:
+  """Totals by part and the reduction factor dense / run (the '4x fewer FLOPs' number), also
+  without the dense lm head (which no sparse method touches)."""
+  t, d = acct.total, acct.dense_total
+  no_head = (t.total - t.head)
+  return {"flops_total": t.total, "flops_dense_total": d.total,
+          "flops_reduction": d.total / t.total if t.total else float("nan"),
+          "flops_reduction_no_head": (d.total - d.head) / no_head if no_head else float("nan"),
+          "flops_linear": t.linear, "flops_attention": t.attention, "flops_head": t.head,
+          "flops_update": t.update, "flops_steps": acct.steps}
+
+
+def model_shapes(config) -> tuple[Any, dict[str, tuple[int, int]], dict[str, tuple[int, int]]]:
+  """(ModelConfig, all linear kernel shapes, masked ones) of `config`, without allocating."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from s24jax import config as config_lib  # pylint: disable=g-import-not-at-top
+  from s24jax import state as state_lib  # pylint: disable=g-import-not-at-top
+  from s24jax.model import GPT2  # pylint: disable=g-import-not-at-top
+  model_cfg = config_lib.model_config(config)
+  tokens = jax.ShapeDtypeStruct((1, model_cfg.seq_len), jnp.int32)
+  variables = jax.eval_shape(lambda t: GPT2(model_cfg).init(jax.random.PRNGKey(0), t), tokens)
+  shapes = linear_kernel_shapes(variables["params"])
+  sparsity = variables.get("sparsity", {})
+  masked = {state_lib.layer_name(p): shapes[state_lib.layer_name(p)]
+            for p in state_lib.sparse_layer_paths(sparsity)}
+  return model_cfg, shapes, masked
+
+
+def planned(config, upto: int | None = None) -> Accountant:
+  """The accountant of steps [0, upto) of `config` (default: all), from the schedules alone.
+
+  MST runs prune exactly to their target counts at every update (asserted by the loop), so
+  this is what the loop logs; a resumed run starts its accountant from here.
+  """
+  from s24jax import mst  # pylint: disable=g-import-not-at-top
+  from s24jax import schedules  # pylint: disable=g-import-not-at-top
+  model_cfg, shapes, masked = model_shapes(config)
+  acct = Accountant(model_cfg, shapes, batch_size=config.batch_size,
+                    seq_len=config.model.seq_len)
+  total = config.total_steps
+  upto = total if upto is None else min(upto, total)
+  dense_from = schedules.dense_finetune_start(total, config.sparsity.dense_finetune_fraction)
+  dynamic = mst.enabled(config)
+  update_every = int(config.mst.update_every)
+  nnz: dict[str, int] = {}
+  for step in range(upto):
+    updated = False
+    if step >= dense_from:
+      nnz = {}
+    elif dynamic and step % update_every == 0:
+      counts = mst.target_counts(masked, mst.target_sparsity(config.mst, step, total),
+                                 config.mst.distribution)
+      nnz, updated = counts, True
+    acct.add(nnz, mst.attention_at(config, step), topology_update=updated)
+  return acct
+
+
+def _main(argv) -> None:
+  from s24jax import compare  # pylint: disable=g-import-not-at-top
+  if len(argv) < 2:
+    raise SystemExit("usage: python -m s24jax.flops experiments/X.py[:variant] [key=value ...]")
+  config = compare.load_config(argv[1], _parse_overrides(argv[2:]))
+  s = summary(planned(config))
+  for k, v in s.items():
+    print(f"{k:26s} {v:.4g}")
+
+
+def _parse_overrides(items) -> dict[str, Any]:
+  """'a.b=3' -> {'a.b': 3} (ints, floats, else strings)."""
+  out = {}
+  for kv in items:
+    k, _, v = kv.partition("=")
+    for cast in (int, float):
+      try:
+        v = cast(v)
+        break
+      except ValueError:
+        continue
+    out[k] = v
+  return out
+
+
+if __name__ == "__main__":
+  import sys  # pylint: disable=g-import-not-at-top
+  _main(sys.argv)

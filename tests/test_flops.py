@@ -1,0 +1,145 @@
+"""Tests for s24jax.flops: a dense step against the analytic 6 N tokens + attention, the
+sparse parts against counts written out by hand, and the planned run totals."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from s24jax import flops
+from s24jax import mst
+from s24jax.config import apply_variant, base_config
+
+
+def tiny_config(projection: str = "mst", *, steps: int = 6):
+  """A 1-layer, 32-wide GPT-2 on 4 x 16 tokens (small enough for 2 shared CPU cores)."""
+  c = apply_variant(base_config(), "tiny")
+  c.sparsity.projection = projection
+  c.total_steps = steps
+  c.batch_size = 4
+  c.model.seq_len = 16
+  c.model.num_layers, c.model.num_heads, c.model.d_model = 1, 2, 32
+  c.optim.warmup_steps = 2
+  return c
+
+
+def _config(activation="gelu", **mst_overrides):
+  c = tiny_config("mst", steps=40)
+  c.sparsity.sparse_layers = ("*/attn/*", "*/mlp/*")
+  c.model.num_layers, c.model.num_heads, c.model.d_model = 2, 2, 32
+  c.model.activation = activation
+  c.model.attention_stride = 4
+  for k, v in mst_overrides.items():
+    c.mst[k] = v
+  return c
+
+
+def _pairs_loop(pattern, T, l):
+  n = 0
+  for q in range(T):
+    for k in range(q + 1):
+      d = q - k
+      n += (pattern == "causal" or d % l == 0 or (pattern == "local_strided" and d < l))
+  return n
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_dense_step_is_6n_tokens_plus_attention(activation):
+  config = _config(activation)
+  model_cfg, shapes, masked = flops.model_shapes(config)
+  L, C, V, T, B = 2, 32, config.model.vocab_size, config.model.seq_len, config.batch_size
+  H = 4 * C
+  fc_out = 2 * H if activation == "swiglu" else H
+  n = L * (3 * C * C + C * C + fc_out * C + C * H) + V * C   # matmul weights incl. the head
+  attention = 12 * L * C * B * T * (T + 1) // 2              # causal: T(T+1)/2 pairs
+  got = flops.step_flops(model_cfg, shapes, {}, batch_size=B, seq_len=T, attention="causal")
+  assert got.total == 6 * n * B * T + attention
+  assert got.head == 6 * V * C * B * T and got.update == 0
+  assert sorted(masked) == sorted(shapes) and len(shapes) == 4 * L
+
+
+@pytest.mark.parametrize("pattern", ["strided", "local_strided"])
+def test_sparse_masks_and_attention(pattern):
+  config = _config()
+  model_cfg, shapes, _ = flops.model_shapes(config)
+  B, T = 3, config.model.seq_len
+  nnz = {"h_0/mlp/fc": 100, "h_1/attn/qkv": 7}
+  got = flops.step_flops(model_cfg, shapes, nnz, batch_size=B, seq_len=T, attention=pattern)
+  active = sum(nnz.get(k, o * i) for k, (o, i) in shapes.items())
+  assert got.linear == 6 * active * B * T
+  assert got.attention == 12 * 2 * 32 * B * _pairs_loop(pattern, T, 4)
+  with pytest.raises(ValueError, match="unknown linear layers"):
+    flops.step_flops(model_cfg, shapes, {"h_9/mlp/fc": 1}, batch_size=B, seq_len=T,
+                     attention=pattern)
+
+
+def test_topology_update_pass():
+  config = _config()
+  model_cfg, shapes, _ = flops.model_shapes(config)
+  B, T, V, C = 2, config.model.seq_len, config.model.vocab_size, 32
+  nnz = {k: (o * i) // 5 for k, (o, i) in shapes.items()}
+  plain = flops.step_flops(model_cfg, shapes, nnz, batch_size=B, seq_len=T, attention="causal")
+  upd = flops.step_flops(model_cfg, shapes, nnz, batch_size=B, seq_len=T, attention="causal",
+                         topology_update=True)
+  size = sum(o * i for o, i in shapes.values())
+  extra = (4 * sum(nnz.values()) + 2 * size) * B * T + plain.attention + 4 * V * C * B * T
+  assert upd.update == extra
+  assert upd.total == plain.total + extra
+
+
+def test_planned_dense_run():
+  config = _config()
+  config.sparsity.projection = "dense"
+  acct = flops.planned(config)
+  model_cfg, shapes, _ = flops.model_shapes(config)
+  one = flops.step_flops(model_cfg, shapes, {}, batch_size=config.batch_size,
+                         seq_len=config.model.seq_len, attention="causal")
+  assert acct.steps == 40
+  assert acct.total.total == pytest.approx(40 * one.total, rel=1e-12)
+  assert acct.dense_total.total == acct.total.total
+  assert flops.summary(acct)["flops_reduction"] == pytest.approx(1.0)
+
+
+def test_planned_mst_run_constant_sparsity():
+  """All levels at 75%: every update keeps the same ER counts; 10 updates in 40 steps; strided
+  attention during steps [10, 30)."""
+  s = 0.75
+  config = _config(initial_sparsity=s, target_sparsity=s, ultra_sparsity=s, final_sparsity=s,
+                   update_every=4, sparse_attention="strided", sparse_attention_start=0.25,
+                   sparse_attention_end=0.75)
+  model_cfg, shapes, masked = flops.model_shapes(config)
+  counts = mst.target_counts(masked, s)
+  B, T, L, C = config.batch_size, config.model.seq_len, 2, 32
+  size = sum(o * i for o, i in shapes.values())
+  k = sum(counts.values())
+  assert abs(k - 0.25 * size) <= len(shapes)
+  tokens = B * T
+  head = 6 * config.model.vocab_size * C * tokens
+  causal, strided = (12 * L * C * B * _pairs_loop(p, T, 4) for p in ("causal", "strided"))
+  updates = 10
+  want = (40 * (6 * k * tokens + head) + 20 * causal + 20 * strided
+          + updates * ((4 * k + 2 * size) * tokens + 4 * config.model.vocab_size * C * tokens)
+          + (5 * causal + 5 * strided))   # update passes: 0, 4, 8, 32, 36 causal; 12..28 strided
+  acct = flops.planned(config)
+  assert acct.total.total == pytest.approx(want, rel=1e-12)
+  dense = 40 * (6 * size * tokens + head + causal)
+  assert acct.dense_total.total == pytest.approx(dense, rel=1e-12)
+  half = flops.planned(config, upto=20)
+  assert half.steps == 20 and half.total.total < acct.total.total
+  summ = flops.summary(acct)
+  assert summ["flops_reduction"] == pytest.approx(dense / want)
+  update_heads = updates * 4 * config.model.vocab_size * C * tokens
+  assert summ["flops_reduction_no_head"] == pytest.approx(
+      (dense - 40 * head) / (want - 40 * head - update_heads))
+
+
+def test_accountant_scalars():
+  config = _config()
+  model_cfg, shapes, _ = flops.model_shapes(config)
+  acct = flops.Accountant(model_cfg, shapes, batch_size=2, seq_len=config.model.seq_len)
+  acct.add({}, "causal")
+  acct.add({k: 0 for k in shapes}, "strided")
+  sc = acct.scalars()
+  assert sc["flops/dense_total"] == 2 * acct._step({}, "causal", False).total  # pylint: disable=protected-access
+  assert sc["flops/total"] == sc["flops/dense_total"] / 2 + sc["flops/step"]
+  assert 0.5 < sc["flops/fraction_of_dense"] < 1.0
+  assert np.isfinite(sc["flops/step"])
