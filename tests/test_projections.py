@@ -122,3 +122,28 @@ def test_register_plain_function_and_protect_builtins():
 def test_non_multiple_of_four_names_the_dimension():
   with pytest.raises(ValueError, match="multiple of 4"):
     projections.soft_threshold24(jnp.ones((4, 6)))
+
+
+def test_notebook_registers_a_projection_and_trains_with_it(tmp_path, data_cache, monkeypatch):
+  """The notebook flow: define, register, train by name (a few steps of the tiny recipe)."""
+  import importlib.util
+  import json
+  import os
+  monkeypatch.setenv("S24JAX_CACHE", data_cache)
+  path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "experiments",
+                      "new_projection.py")
+  spec = importlib.util.spec_from_file_location("new_projection", path)
+  nb = importlib.util.module_from_spec(spec)
+  try:
+    spec.loader.exec_module(nb)
+    assert "scaled_ste" in projections.available_projections()
+    final = nb.main(steps=3, workdir=str(tmp_path))
+    assert np.isfinite(final["val/loss"])
+    cfg = json.load(open(tmp_path / "config.json"))
+    assert cfg["sparsity"]["projection"] == "scaled_ste"
+    # the projection's state reached the train state: a scale per sparse layer in the checkpoint
+    w = jnp.asarray(_rand(7))
+    np.testing.assert_allclose(nb.scaled_ste24(w, nb.init_scale(w)["scale"]).reshape(-1, 4)
+                               .astype(bool).sum(1), 2)
+  finally:
+    projections._REGISTRY.pop("scaled_ste", None)
