@@ -141,9 +141,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   state = ckpt.restore_or_init(fresh)
   del fresh
   start = int(state.step)
+  total = config.total_steps
+  final_path = os.path.join(workdir, "final_metrics.json")
+  if start >= total and os.path.exists(final_path):
+    logging.info("%s already trained to step %d >= total_steps=%d; nothing to do",
+                 workdir, start, total)
+    ckpt.close()
+    with open(final_path, encoding="utf-8") as f:
+      return json.load(f)
   _write_config(workdir, config, start)
 
-  total = config.total_steps
   dense_from = schedules.dense_finetune_start(total, config.sparsity.dense_finetune_fraction)
   n_params = num_params(state.params)
   fpt = flops_per_token(model.config, n_params)
@@ -259,6 +266,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                       measured={"step": steps_, "sparsity": sparsity_})
   final["data/unigram_entropy"] = unigram
   final["step"] = step
-  with open(os.path.join(workdir, "final_metrics.json"), "w", encoding="utf-8") as f:
+  with open(final_path, "w", encoding="utf-8") as f:
     json.dump({k: float(v) for k, v in final.items() if v is not None}, f, indent=2)
   return final
