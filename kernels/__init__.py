@@ -8,6 +8,10 @@ Public contract (DESIGN.md section 7):
 The metadata format is documented in `kernels/_common.py`. One kernel
 family per module: sparsify24, sparse24_matmul, transposable_mask, mvue24,
 venom, gated_act; `python -m kernels.bench` times them all on a GPU.
+
+Note: `kernels.sparse24_matmul` and `kernels.gated_act` are the functions;
+they shadow the submodules of the same name as package attributes, so reach
+those modules with `importlib.import_module("kernels.sparse24_matmul")`.
 """
 from kernels.gated_act import (GatedActConfig, gated_act, gated_act_reference,
                                geglu, swiglu)

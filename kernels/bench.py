@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import json
 import sys
 import traceback
@@ -27,12 +28,16 @@ import jax
 import jax.numpy as jnp
 
 from kernels import _common as c
-from kernels import gated_act as ga
 from kernels import mvue24 as mv
-from kernels import sparse24_matmul as sm
 from kernels import sparsify24 as sp
 from kernels import transposable_mask as tm
 from kernels import venom as vn
+
+# `kernels.sparse24_matmul` and `kernels.gated_act` are the exported
+# functions (DESIGN.md section 7), which shadow the submodules of the same
+# name as package attributes; import the modules by their full name.
+sm = importlib.import_module("kernels.sparse24_matmul")
+ga = importlib.import_module("kernels.gated_act")
 
 H100_BW = 3.0e12       # bytes/s, device copy measured (DESIGN.md section 6)
 H100_BF16 = 790e12     # FLOP/s, dense bf16 matmul measured

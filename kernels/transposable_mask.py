@@ -5,20 +5,20 @@ backward needs W~^T to be 2:4 too. DESIGN.md section 4: for every 4x4 block B
 of |W| pick, among the 90 binary 4x4 patterns with exactly two ones in every
 row and every column, the pattern P maximising sum(P * B).
 
-How the kernel scores: a pattern is one of the 6 column pairs per row with
-every column used twice, so score(P) = sum_r pairsum_r[pair_r(P)]. The kernel
-loads the 16 block positions as 16 strided [BR/4, BC/4] slices (one per
-(r, c) of the block: no reshape/transposition of the tile), forms the 24 pair
-sums, then runs a running max over the 90 patterns in the fixed order of
-`PATTERNS` (strict '>' so ties keep the earlier pattern, like argmax). That
-is ~300 adds per block on CUDA cores instead of a [blocks, 16] x [16, 90]
-tensor-core matmul, which would need the tile transposed into [blocks, 16]
-first; the mask refresh runs every ~40 steps so this is not on the hot path.
-The reference (`transposable_mask_reference`) is the matmul + argmax of
-DESIGN.md; both break ties toward the lower pattern index. Scores are
-summed in different orders, so on real-valued data a near-tie (within an
-ulp) may resolve differently; on data whose sums are exact (integers) the two
-agree bit for bit.
+How the kernel scores: it loads the 16 block positions as 16 strided
+[BR/4, BC/4] slices (one per (r, c) of the block), stacks them into a
+[blocks, 16] matrix (pairwise `jnp.stack`, which the Triton backend lowers to
+`tt.join`; the resulting column order is the bit-reversal of 4r + c, matched
+by permuting the rows of the pattern matrix on the host), and then does what
+DESIGN.md describes: one [blocks, 16] x [16, 128] matmul (90 patterns padded
+to a power of two with zero columns, f32, HIGHEST precision) and an argmax
+(first maximum, so ties go to the lower pattern index; a zero pad column can
+only tie, never win). The winner's 16-bit code (bit 4r + c) is read with a
+one-hot max-reduction, and the mask bits are shifted out of it.
+The reference (`transposable_mask_reference`) is the same matmul + argmax in
+plain jnp. Both sum in f32 but maybe in different orders, so on real-valued
+data an ulp-level near-tie may resolve differently; on data whose sums are
+exact (integers) the two agree bit for bit.
 
 Optionally the kernel also emits W~ and W~^T compressed (values + metadata in
 the `kernels/_common.py` format), so the forward (`sparse24_matmul(x, v, m)`)
@@ -80,9 +80,12 @@ PATTERN_CODES = tuple(
 @dataclasses.dataclass(frozen=True)
 class TransposableMaskConfig:
   """Tile of W per program (powers of two, multiples of 4; >= 32 on the
-  axes that carry compressed metadata when with_compressed=True)."""
+  axes that carry compressed metadata when with_compressed=True). The tile
+  holds (block_rows/4) * (block_cols/4) 4x4 blocks, the M of the scoring
+  matmul: >= 16 on GPU, and its [blocks, 128] f32 scores live in registers,
+  so 32 x 32 (64 blocks) is a moderate default."""
   block_rows: int = 32
-  block_cols: int = 64
+  block_cols: int = 32
   num_warps: int = 4
   num_stages: int = 1
 
@@ -93,30 +96,60 @@ class TransposableMaskConfig:
       raise ValueError("blocks must hold at least one 4x4 block.")
 
 
-def _best_pattern_code(mags):
-  """mags[r][c] -> int32 code (bit 4r + c) of the best pattern per block."""
-  ps = [[mags[r][a] + mags[r][b] for (a, b) in _PAIRS] for r in range(4)]
-  best = None
-  code = None
-  for p, choice in enumerate(PATTERNS):
-    s = ((ps[0][choice[0]] + ps[1][choice[1]]) + ps[2][choice[2]]) + ps[3][choice[3]]
-    if best is None:
-      best = s
-      code = jnp.full(s.shape, PATTERN_CODES[0], jnp.int32)
-    else:
-      better = s > best
-      best = jnp.where(better, s, best)
-      code = jnp.where(better, PATTERN_CODES[p], code)
-  return code
+_NUM_PADDED = 128   # 90 patterns padded to a power of two
 
 
-def _transposable_kernel(w_ref, *out_refs, br, bc, rows, cols,
-                         with_compressed):
+def _bitrev4(i: int) -> int:
+  return int(f"{i:04b}"[::-1], 2)
+
+
+def _kernel_tables():
+  """(pattern matrix [16, 128] f32 with rows in stacked-column order,
+  codes [1, 128] int32); pad columns are zero with pattern 0's code."""
+  pm = np.zeros((16, _NUM_PADDED), np.float32)
+  for i in range(16):
+    pm[_bitrev4(i), :len(PATTERNS)] = PATTERN_MATRIX[:, i]
+  codes = np.full((1, _NUM_PADDED), PATTERN_CODES[0], np.int32)
+  codes[0, :len(PATTERNS)] = PATTERN_CODES
+  return pm, codes
+
+
+def _stack16(parts):
+  """16 arrays [..] -> [.., 16] by pairwise stacking (tt.join on Triton).
+
+  Column j of the result holds parts[_bitrev4(j)].
+  """
+  level = [jnp.stack([parts[2 * i], parts[2 * i + 1]], axis=-1)
+           for i in range(8)]
+  while len(level) > 1:
+    nxt = []
+    for i in range(len(level) // 2):
+      s = jnp.stack([level[2 * i], level[2 * i + 1]], axis=-1)
+      nxt.append(s.reshape(*s.shape[:-2], s.shape[-2] * 2))
+    level = nxt
+  return level[0]
+
+
+def _best_pattern_code(mags, pm_ref, codes_ref):
+  """mags[r][c] [gr, gc] -> int32 code (bit 4r + c) of the best pattern."""
+  gr, gc = mags[0][0].shape
+  a = _stack16([mags[r][col] for r in range(4) for col in range(4)])
+  a = a.reshape(gr * gc, 16)
+  scores = jnp.dot(a, pm_ref[...], precision=lax.Precision.HIGHEST,
+                   preferred_element_type=jnp.float32)      # [blocks, 128]
+  best = jnp.argmax(scores, axis=1).astype(jnp.int32)      # first max
+  onehot = lax.broadcasted_iota(jnp.int32, scores.shape, 1) == best[:, None]
+  code = jnp.max(jnp.where(onehot, codes_ref[...], 0), axis=1)
+  return code.reshape(gr, gc)
+
+
+def _transposable_kernel(w_ref, pm_ref, codes_ref, *out_refs, br, bc, rows,
+                         cols, with_compressed):
   gr, gc = br // 4, bc // 4
   a = [[w_ref[pl.ds(r, gr, stride=4), pl.ds(col, gc, stride=4)]
         for col in range(4)] for r in range(4)]
   mags = [[jnp.abs(x.astype(jnp.float32)) for x in row] for row in a]
-  code = _best_pattern_code(mags)
+  code = _best_pattern_code(mags, pm_ref, codes_ref)
   bits = [[((code >> (4 * r + col)) & 1) == 1 for col in range(4)]
           for r in range(4)]
   mask_ref = out_refs[0]
@@ -151,7 +184,8 @@ def _transposable_kernel(w_ref, *out_refs, br, bc, rows, cols,
                                              "interpret", "poison"))
 def _transposable(w, *, with_compressed, config, interpret, poison=False):
   r, k = w.shape
-  minimum = c.COLS_PER_WORD if with_compressed else 4
+  # >= 16 per axis keeps the scoring matmul at M >= 16 blocks (MMA minimum).
+  minimum = c.COLS_PER_WORD if with_compressed else 16
   bc, kp = c.fit_block(k, max(config.block_cols, minimum), minimum=minimum)
   br, rp = c.fit_block(r, max(config.block_rows, minimum), minimum=minimum)
   wp = c.pad_axis(c.pad_axis(w, 1, kp), 0, rp)
@@ -168,15 +202,18 @@ def _transposable(w, *, with_compressed, config, interpret, poison=False):
         pl.BlockSpec((br, bc // c.COLS_PER_WORD), lambda i, j: (i, j)),
         pl.BlockSpec((bc, br // 2), lambda i, j: (j, i)),
         pl.BlockSpec((bc, br // c.COLS_PER_WORD), lambda i, j: (j, i))]
+  pm, codes = _kernel_tables()
   outs = c.pallas_call(
       functools.partial(_transposable_kernel, br=br, bc=bc, rows=r, cols=k,
                         with_compressed=with_compressed),
       out_shape=out_shape, grid=(rp // br, kp // bc),
-      in_specs=[pl.BlockSpec((br, bc), lambda i, j: (i, j))],
+      in_specs=[pl.BlockSpec((br, bc), lambda i, j: (i, j)),
+                pl.BlockSpec(pm.shape, lambda i, j: (0, 0)),
+                pl.BlockSpec(codes.shape, lambda i, j: (0, 0))],
       out_specs=out_specs, num_warps=config.num_warps,
       num_stages=config.num_stages, interpret=interpret, poison=poison,
       name="transposable_mask24",
-  )(wp)
+  )(wp, jnp.asarray(pm), jnp.asarray(codes))
   mask = outs[0][:r, :k]
   if not with_compressed:
     return mask

@@ -38,7 +38,6 @@ import sys
 import jax
 from jax import lax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 
 from kernels import _common as c
