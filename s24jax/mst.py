@@ -68,6 +68,10 @@ def enabled(config) -> bool:
 def check_config(config) -> None:
   """Validates `config.mst`; errors name the field and the valid values."""
   m = config.mst
+  if enabled(config) and config.sparsity.backend != "xla":
+    # Fast backends assume 2:4 weights; MST's masks are unstructured.
+    raise ValueError(f"sparsity.projection={config.sparsity.projection!r} (unstructured masks) "
+                     f"needs sparsity.backend='xla', got {config.sparsity.backend!r}")
   if int(m.update_every) < 1:
     raise ValueError(f"mst.update_every must be >= 1, got {m.update_every}")
   if m.distribution not in DISTRIBUTIONS:

@@ -228,6 +228,13 @@ def test_bad_config(field, value, match):
     mst.check_config(c)
 
 
+def test_unstructured_masks_need_the_xla_backend():
+  c = _mst_cfg()
+  c.sparsity.backend = "pallas"
+  with pytest.raises(ValueError, match="needs sparsity.backend='xla'"):
+    mst.check_config(c)
+
+
 def test_schedule_plot(tmp_path):
   c = _mst_cfg(sparse_attention="local_strided")
   path = mst.plot_schedule(c, str(tmp_path / "s.png"),
