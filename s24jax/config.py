@@ -45,6 +45,8 @@ class SparsityConfig:
   backend: str = "xla"                 # the sparse matmul implementation
   # S-STE: recompute the scale beta every k optimizer steps; 0 = fixed at init (the recipe).
   rescale_every: int = 0
+  # FP8 GEMMs in the sparse layers (s24jax/fp8.py): e4m3 forward operands, e5m2 gradients.
+  fp8: bool = False
   # V:N:M activation sparsity of the FFN hidden activations that feed the second FFN matmul
   # (Haziza et al.; s24jax/act_sparsity.py): 'none' or 'venom'; blocks of act_v token rows,
   # act_n kept of act_m hidden columns per row (4 columns chosen per block); act_backend is

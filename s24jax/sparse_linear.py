@@ -27,18 +27,18 @@ BACKENDS = sparse_ops.BACKENDS
 
 
 def linear(x: jax.Array, w: jax.Array, *, backend: str = "xla", sparse: bool = False,
-           key: jax.Array | None = None, mvue: bool = False) -> jax.Array:
+           key: jax.Array | None = None, mvue: bool = False, fp8: bool = False) -> jax.Array:
   """y = x W^T for x (..., in) and W (out, in), in x's dtype with float32 accumulation.
 
   sparse=True: W is the 2:4 projected weight W~ and all three GEMMs go through
   `sparse_ops.sparse_linear` on `backend` (with the MVUE weight gradient if `mvue`, drawn
-  with `key`). sparse=False: a dense XLA matmul whatever the backend (sparse kernels cannot
+  with `key`; FP8 GEMMs if `fp8`). sparse=False: a dense XLA matmul whatever the backend (sparse kernels cannot
   run a dense weight).
   """
   if backend not in BACKENDS:
     raise ValueError(f"unknown sparsity.backend {backend!r}; valid: {', '.join(BACKENDS)}")
   if sparse:
-    return sparse_ops.sparse_linear(x, w, key, mvue=mvue, backend=backend)
+    return sparse_ops.sparse_linear(x, w, key, mvue=mvue, backend=backend, fp8=fp8)
   return jnp.einsum("...i,oi->...o", x, w.astype(x.dtype),
                     preferred_element_type=jnp.float32).astype(x.dtype)
 
@@ -107,7 +107,7 @@ class SparseLinear(nn.Module):
       key = (self.make_rng("mvue") if sparse and self.sparsity.mvue and self.has_rng("mvue")
              else None)
       y = linear(x.astype(self.dtype), w, backend=self.sparsity.backend, sparse=sparse,
-                 key=key, mvue=self.sparsity.mvue)                        # (..., out)
+                 key=key, mvue=self.sparsity.mvue, fp8=self.sparsity.fp8)  # (..., out)
     if self.use_bias:
       y = y + self.param("bias", nn.initializers.zeros, (self.features,)).astype(self.dtype)
     return y

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from s24jax import fp8 as fp8_lib
 from s24jax import masks
 
 BACKENDS = ("xla",)
@@ -44,6 +45,7 @@ BACKENDS = ("xla",)
 class GemmOptions:
   """Static options of the three GEMMs (hashable: a non-differentiable custom_vjp argument)."""
   mvue: bool = False        # weight gradient from the MVUE 2:4 estimate of dY^T
+  fp8: bool = False         # FP8 GEMMs (s24jax/fp8.py): e4m3 x and W~, e5m2 dY
   backend: str = "xla"      # GEMM implementation; 'xla' is the reference
 
   def __post_init__(self):
@@ -57,15 +59,24 @@ def _matmul_f32(a: jax.Array, b: jax.Array, dims) -> jax.Array:
   return jax.lax.dot_general(a, b, (dims, ((), ())), preferred_element_type=jnp.float32)
 
 
+def _fp8_matmul_f32(a: jax.Array, b: jax.Array, dims, a_format) -> jax.Array:
+  """FP8 path of `_matmul_f32` (opts.fp8): a in `a_format` (e4m3 forward operand, e5m2
+  gradient), b (x or W~: a forward operand) in e4m3, per-tensor amax scales, fp32 result."""
+  return fp8_lib.fp8_dot_general(a, b, (dims, ((), ())), a_dtype=a_format,
+                                 b_dtype=fp8_lib.E4M3, out_dtype=jnp.float32)
+
+
 def _fwd_gemm(x: jax.Array, w: jax.Array, opts: GemmOptions) -> jax.Array:
   """y = x W~^T: x (N, in), W~ (out, in) 2:4 along `in` -> (N, out) float32."""
-  del opts  # one backend so far
+  if opts.fp8:
+    return _fp8_matmul_f32(x, w, ((1,), (1,)), fp8_lib.E4M3)     # (N, out)
   return _matmul_f32(x, w, ((1,), (1,)))                         # (N, out)
 
 
 def _dgrad_gemm(dy: jax.Array, w: jax.Array, opts: GemmOptions) -> jax.Array:
   """dX = dY W~: dY (N, out), W~ (out, in) 2:4 along `out` if transposable -> (N, in) f32."""
-  del opts
+  if opts.fp8:
+    return _fp8_matmul_f32(dy, w, ((1,), (0,)), fp8_lib.E5M2)    # (N, in)
   return _matmul_f32(dy, w, ((1,), (0,)))                        # (N, in)
 
 
@@ -89,6 +100,8 @@ def _wgrad_gemm(dy: jax.Array, x: jax.Array, key: jax.Array | None,
                 opts: GemmOptions) -> jax.Array:
   """dW~ = est(dY^T) x: dY (N, out), x (N, in) -> (out, in) float32."""
   dy_t = _wgrad_operand(dy, key, opts)                           # (out, N)
+  if opts.fp8:   # quantizes the (MVUE-)estimate itself: the GEMM's actual operand
+    return _fp8_matmul_f32(dy_t, x, ((1,), (0,)), fp8_lib.E5M2)  # (out, in)
   return _matmul_f32(dy_t, x, ((1,), (0,)))                      # (out, in)
 
 
@@ -115,7 +128,7 @@ _sparse_linear_2d.defvjp(_sparse_linear_2d_fwd, _sparse_linear_2d_bwd)
 
 
 def sparse_linear(x: jax.Array, w: jax.Array, key: jax.Array | None = None, *,
-                  mvue: bool = False, backend: str = "xla") -> jax.Array:
+                  mvue: bool = False, backend: str = "xla", fp8: bool = False) -> jax.Array:
   """y = x W~^T for x (..., in) and a 2:4 W~ (out, in), with the three-GEMM backward.
 
   Args:
@@ -125,11 +138,13 @@ def sparse_linear(x: jax.Array, w: jax.Array, key: jax.Array | None = None, *,
     key: PRNG key for MVUE (per layer, per step); only used when `mvue` and differentiated.
     mvue: estimate the weight gradient from MVUE(dY^T), 2:4 along tokens (unbiased).
     backend: GEMM implementation, one of BACKENDS.
+    fp8: all three GEMMs in FP8 with per-tensor amax scaling (s24jax/fp8.py): x and W~ in
+      e4m3, dY (and its MVUE estimate) in e5m2, fp32 accumulation.
 
   Returns:
     y (..., out) in x's dtype, accumulated in float32.
   """
-  opts = GemmOptions(mvue=mvue, backend=backend)
+  opts = GemmOptions(mvue=mvue, backend=backend, fp8=fp8)
   if x.shape[-1] != w.shape[-1]:
     raise ValueError(f"sparse_linear: x has {x.shape[-1]} input features (last axis of "
                      f"{tuple(x.shape)}) but W~ {tuple(w.shape)} expects {w.shape[-1]}.")
