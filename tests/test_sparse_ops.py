@@ -161,6 +161,7 @@ def test_t_sr_ste_mask_refreshed_exactly_every_k_steps_and_cached_between():
   # Copies: train_step donates the state's buffers.
   kernels = lambda s: {p: np.asarray(state_lib.get_path(s.params, p)["kernel"]) for p in paths}
   cached = lambda s: {p: np.asarray(state_lib.get_path(s.sparsity, p)["mask"]) for p in paths}
+  tmask = jax.jit(masks.transposable_mask)
   source = kernels(state)                        # the weights the cached mask was made from
   rng = np.random.default_rng(0)
   stale_seen = False
@@ -178,9 +179,9 @@ def test_t_sr_ste_mask_refreshed_exactly_every_k_steps_and_cached_between():
       assert np.isnan(float(metrics["flip_rate"]))
       assert np.isnan(float(metrics["transposable_kept_ratio"]))
     for p in paths:
-      want = np.asarray(masks.transposable_mask(source[p]))
+      want = np.asarray(tmask(source[p]))
       np.testing.assert_array_equal(cached(state)[p], want, err_msg=f"step {step} {p}")
-      stale_seen |= step % k != 0 and (want != np.asarray(masks.transposable_mask(now[p]))).any()
+      stale_seen |= step % k != 0 and (want != np.asarray(tmask(now[p]))).any()
   assert stale_seen   # the weights moved enough that caching made a difference
   # The forward uses the cached mask: the projected weight is exactly cached mask * W.
   proj = projections.get_projection("t_sr_ste")

@@ -1,0 +1,82 @@
+"""Hu et al. 2024 piece by piece, against dense and STE (tiny GPT-2).
+
+  python experiments/compare_hu2024.py [--root runs/compare_hu2024] [--steps 600] [--only a,b]
+
+Runs (each its own workdir under --root; finished ones are reused, not redone):
+  dense              the dense baseline
+  ste                hard threshold, straight-through, no decay
+  sr_ste_grad        SR-STE, lambda_W = 6e-5 on the gradients (after clipping, before AdamW)
+  sr_ste_weights     SR-STE, lambda_W = 6e-5 on the weights (decoupled, original SR-STE)
+  recipe             the full recipe, experiments/gpt2_t_sr_ste_df.py: transposable masks
+                     refreshed every 40 steps, MVUE weight gradient, lambda_W = 6e-5 on the
+                     gradients, dense fine-tuning for the last 1/6 of the steps
+  sr_ste_grad_auto   SR-STE on the gradients, lambda_W chosen by the warm-up controller
+                     (s24jax/decay_control.py) during steps [100, 200), then frozen
+  recipe_auto        the recipe with lambda_W chosen by the controller (steps [100, 200)); its
+                     masks are refreshed every 10 steps so that the controller, which only sees
+                     a flip rate at refreshes, gets 10 measurements instead of 2-3
+
+Columns: val/train loss at the end (after dense fine-tuning for the recipe rows), the flip
+rate of the last log of the sparse phase and its peak (for the recipe rows, changed mask
+entries per refresh / refresh interval: a per-step rate comparable in units, a lower bound of
+the per-step churn of the latent weights), lambda_W at the end (`lambda`), the transposable
+mask's kept magnitude relative to the plain 2:4 mask (`kept_ratio`, last refresh) and
+whether the flip-rate warning was on at the last log (`flip_warn`).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from s24jax import compare  # pylint: disable=g-import-not-at-top
+
+SR_STE = "experiments/gpt2_sr_ste.py:tiny"
+RECIPE = "experiments/gpt2_t_sr_ste_df.py:tiny"
+AUTO = {"sparsity.decay": 0.0, "sparsity.decay_auto": True, "sparsity.decay_auto_steps": 200}
+
+RUNS = [
+    compare.Run("dense", "experiments/gpt2_dense.py:tiny"),
+    compare.Run("ste", "experiments/gpt2_ste.py:tiny"),
+    compare.Run("sr_ste_grad", SR_STE, {"sparsity.decay": 6e-5,
+                                        "sparsity.decay_placement": "gradients"}),
+    compare.Run("sr_ste_weights", SR_STE, {"sparsity.decay": 6e-5,
+                                           "sparsity.decay_placement": "weights"}),
+    compare.Run("recipe", RECIPE),
+    compare.Run("sr_ste_grad_auto", SR_STE, {**AUTO, "sparsity.decay_placement": "gradients"}),
+    compare.Run("recipe_auto", RECIPE, {**AUTO, "sparsity.mask_refresh_every": 10}),
+]
+
+EXTRA = {"train/sparsity/decay": "lambda", "train/transposable_kept_ratio": "kept_ratio",
+         "train/flip_rate_warning": "flip_warn"}
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--root", default="runs/compare_hu2024")
+  parser.add_argument("--steps", type=int, default=0,
+                      help="override total_steps of every run (0: the tiny default, 600)")
+  parser.add_argument("--only", default="", help="comma-separated run names")
+  args = parser.parse_args(argv)
+  runs = RUNS
+  if args.only:
+    names = args.only.split(",")
+    unknown = sorted(set(names) - {r.name for r in RUNS})
+    if unknown:
+      raise SystemExit(f"unknown runs {unknown}; valid: {', '.join(r.name for r in RUNS)}")
+    runs = [r for r in RUNS if r.name in names]
+  if args.steps:
+    runs = [compare.Run(r.name, r.config, {**r.overrides, "total_steps": args.steps})
+            for r in runs]
+  table = compare.run_all(runs, args.root, extra_keys=tuple(EXTRA))
+  for key, short in EXTRA.items():
+    table = table.replace(key, short)
+  print(table)
+  with open(os.path.join(args.root, "table.md"), "w", encoding="utf-8") as f:
+    f.write(table + "\n")
+
+
+if __name__ == "__main__":
+  main()
