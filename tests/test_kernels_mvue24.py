@@ -35,7 +35,9 @@ def test_same_draws_as_reference(interpret, shape, dtype):
   rv, rm = REF(x, 1234)
   assert values.shape == rv.shape and values.dtype == dtype
   np.testing.assert_array_equal(np.asarray(meta), np.asarray(rm))
-  tol = 1e-6 if dtype == jnp.float32 else 1e-2
+  # Same ops in the same order; a GPU may still round a division or fuse an
+  # FMA differently from XLA, so values get a few-ulp allowance natively.
+  tol = (1e-6 if interpret else 1e-5) if dtype == jnp.float32 else 1e-2
   np.testing.assert_allclose(np.asarray(values, np.float32),
                              np.asarray(rv, np.float32), rtol=tol, atol=1e-7)
   # Valid positions (i0 < i1) everywhere, EMPTY in the padding nibbles.
