@@ -101,8 +101,8 @@ def _write_config(workdir: str, config: ml_collections.ConfigDict, step: int) ->
 
 def _summarise(metric_list: list[dict], elapsed: float, tokens: int, fpt: float,
                peak: float | None) -> dict[str, float]:
-  """Host-side reduction of the device metrics of the last log interval."""
-  host = jax.device_get(metric_list)
+  """Host-side reduction of the (fetched) metrics of the last log interval."""
+  host = metric_list
   out = {"train/loss": float(sum(m["loss"] for m in host) / sum(m["count"] for m in host)),
          "train/grad_norm": float(np.mean([m["grad_norm"] for m in host]))}
   for k in host[-1]:
@@ -156,6 +156,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   fpt = flops_per_token(model.config, n_params)
   peak = config.peak_flops or metrics_lib.device_peak_flops()
   tokens_per_step = config.batch_size * config.model.seq_len
+  lr_fn = jax.jit(schedules.learning_rate(config.optim, total))   # one compile, not one per op
   writer = metrics_lib.MetricWriter(workdir)
   if start == 0:
     writer.write(0, {"data/unigram_entropy": unigram, "model/params": n_params,
@@ -223,10 +224,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       final["sparsity/decay_chosen"] = chosen
 
     if step % config.log_every == 0 or step == total:
+      pending = jax.device_get(pending)   # wait for the steps before reading the clock
       now = time.time()
       scalars = _summarise(pending, now - t_last, (step - step_last) * tokens_per_step,
                            fpt, peak)
-      scalars["train/lr"] = float(schedules.learning_rate(config.optim, total)(step - 1))
+      scalars["train/lr"] = float(lr_fn(step - 1))
       scalars["train/dense_phase"] = float(dense)
       if not dense and not projections.get_projection(config.sparsity.projection).is_dense:
         scalars["train/flip_rate_warning"] = flip_warn.update(step,
@@ -247,9 +249,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       writer.write(step, {"val/loss": last_val})
       final["val/loss"] = last_val
       postfix["val"] = f"{last_val:.3f}"
-      t_last = time.time()  # do not charge eval time to tokens/s
+      t_last = time.time()  # do not charge eval time to tokens/s (eval blocks on the state)
     if step % config.checkpoint_every == 0 or step == total:
-      ckpt.save(step, state, force=True)
+      t_save = time.time()
+      ckpt.save(step, state, force=True)   # async write; the device->host copy blocks
+      t_last += time.time() - t_save
     bar.set_postfix(postfix, refresh=False)
     bar.update(1)
   bar.close()
