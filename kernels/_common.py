@@ -84,8 +84,8 @@ def fit_block(dim: int, preferred: int, minimum: int = 1) -> tuple[int, int]:
 
   Returns (block, padded_dim). Prefers the largest power of two in
   [minimum, preferred] that divides `dim` (no padding). If none divides, the
-  axis is padded up to a multiple of the smallest power of two >= minimum
-  that covers a reasonable tile, so callers never take a silent partial block.
+  block is min(preferred, max(minimum, next_power_of_2(dim))) and the axis is
+  padded up to a multiple of it, so callers never take a partial block.
   """
   check_pow2("preferred block", preferred)
   check_pow2("minimum block", minimum)

@@ -141,9 +141,11 @@ def _check_input(w, name="w"):
 def _check_mask(w, mask):
   if mask.shape != w.shape:
     raise ValueError(f"mask shape {mask.shape} != w shape {w.shape}.")
-  if isinstance(mask, jax.core.Tracer):
+  try:
+    m = np.asarray(mask).astype(bool)
+  except (jax.errors.TracerArrayConversionError,
+          jax.errors.ConcretizationTypeError):
     return  # Under jit: documented "two lowest-indexed kept" behaviour.
-  m = np.asarray(mask).astype(bool)
   counts = m.reshape(*m.shape[:-1], m.shape[-1] // 4, 4).sum(-1)
   if counts.max(initial=0) > 2:
     bad = np.argwhere(counts > 2)[0]
