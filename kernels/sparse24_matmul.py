@@ -340,6 +340,35 @@ def sparse24_matmul(x: jax.Array, values: jax.Array, meta: jax.Array, *,
                           config=config or Sparse24MatmulConfig())
 
 
+@functools.partial(jax.jit, static_argnames=("interpret", "config"))
+def _sparse24_matmul_dx(dy, values, meta, *, interpret, config):
+  lead = dy.shape[:-1]
+  k = 2 * values.shape[1]
+  dx = _backward_dx(dy.reshape(-1, dy.shape[-1]), values, meta.astype(jnp.uint32),
+                    k, config, interpret, False)
+  return dx.reshape(*lead, k)
+
+
+def sparse24_matmul_dx(dy: jax.Array, values: jax.Array, meta: jax.Array, *,
+                       interpret: bool = False,
+                       config: Sparse24MatmulConfig | None = None) -> jax.Array:
+  """dy [..., N] @ decompress24(values, meta) -> [..., K]: the data gradient alone.
+
+  The `_dx_kernel` of `sparse24_matmul`'s backward, for callers with their own
+  custom_vjp that want dx from the compressed operand but a different weight
+  gradient (`s24jax.sparse_ops`: the dense dy^T x that straight-through
+  projections need, not dvalues). Output in dy's dtype, f32 accumulation.
+  """
+  if values.ndim != 2 or meta.ndim != 2:
+    raise ValueError("values and meta must be 2-D ([N, K/2], [N, ceil(K/32)]); "
+                     f"got {values.shape} and {meta.shape}.")
+  if dy.shape[-1] != values.shape[0]:
+    raise ValueError(f"dy's last dimension ({dy.shape[-1]}) must equal the "
+                     f"weight's out-features N = values.shape[0] = {values.shape[0]}.")
+  return _sparse24_matmul_dx(dy, values, meta, interpret=interpret,
+                             config=config or Sparse24MatmulConfig())
+
+
 def sparse24_matmul_reference(x, values, meta):
   """Plain XLA reference: decompress, then a dense matmul (f32 accumulate)."""
   w = c.decompress(values, meta)

@@ -19,6 +19,7 @@ import ml_collections
 
 from s24jax import attention_masks
 from s24jax import data as data_lib
+from s24jax import sparse_ops
 
 # GPT-2 sizes from DESIGN.md section 6: (layers, heads, width).
 GPT2_SIZES = {
@@ -42,7 +43,9 @@ class SparsityConfig:
   decay: float = 0.0                   # SR-STE masked decay factor lambda_W
   decay_placement: str = "gradients"   # 'gradients' (Hu et al.), 'weights', 'backward'
   dense_finetune_fraction: float = 0.0  # last fraction of steps trained dense
-  backend: str = "xla"                 # the sparse matmul implementation
+  # The sparse layers' GEMMs (s24jax/sparse_ops.py): 'xla' (reference), 'pallas' (Pallas
+  # kernels where they are expected to win: GPU, few tokens; xla elsewhere), 'pallas_always'.
+  backend: str = "xla"
   # S-STE: recompute the scale beta every k optimizer steps; 0 = fixed at init (the recipe).
   rescale_every: int = 0
   # FP8 GEMMs in the sparse layers (s24jax/fp8.py): e4m3 forward operands, e5m2 gradients.
@@ -79,6 +82,9 @@ class SparsityConfig:
   flip_rate_warn_patience: int = 5
 
   def __post_init__(self):
+    if self.backend not in sparse_ops.BACKENDS:
+      raise ValueError(f"unknown sparsity.backend {self.backend!r}; valid: "
+                       f"{', '.join(sparse_ops.BACKENDS)}")
     if self.decay_placement not in DECAY_PLACEMENTS:
       raise ValueError(f"unknown sparsity.decay_placement {self.decay_placement!r}; valid: "
                        f"{', '.join(DECAY_PLACEMENTS)}")

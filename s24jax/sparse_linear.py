@@ -7,8 +7,9 @@ W [out, in] (DESIGN.md notation) so that the 2:4 groups run along the last axis.
 `linear(x, w_tilde, backend=..., sparse=...)` is the single place where y = x W~^T is
 computed. Sparse layers go through the three-GEMM op `sparse_ops.sparse_linear` (forward,
 data gradient and weight gradient all 2:4 sparse, MVUE optional); its `xla` backend is the
-reference and faster backends (Pallas, cuSPARSELt) plug in there. Dense layers are one XLA
-matmul with the autodiff backward.
+reference and faster backends plug in there (`sparsity.backend='pallas'`: kernels/ where they
+are expected to win, `'pallas_always'`: everywhere; cuSPARSELt later). Dense layers are one
+XLA matmul with the autodiff backward.
 """
 from __future__ import annotations
 

@@ -21,6 +21,21 @@ operands (FP8) change one helper and add one option field; the `xla` backend bel
 reference every other backend is tested against. With `backend='xla'` the GEMMs are dense
 matmuls on the masked matrices (mathematically the sparse product; no speed-up).
 
+Backends (`sparsity.backend`, chosen per call in `uses_pallas_kernels`, the one place):
+  'xla'            the reference above.
+  'pallas'         the Pallas kernels (kernels/) where `kernels.should_use_pallas_matmul`
+                   expects them to win (a GPU, few tokens: the memory-bound regime), 'xla'
+                   elsewhere. On CPU that is always 'xla'.
+  'pallas_always'  the Pallas kernels for every sparse layer (equivalence tests, benchmarks).
+The Pallas path (`_pallas_linear_2d`) compresses W~ once per call (`kernels.compress24`),
+runs the forward (`kernels.sparse24_matmul`) and dX = dY W~ (`sparse24_matmul_dx`) on the
+compressed operand, and keeps the weight gradient the dense dY^T x (or its MVUE version)
+from `_wgrad_gemm`: the kernel's own dvalues exist only at kept positions, and
+straight-through projections need dL/dW~ at the pruned ones too. It assumes W~ is 2:4 along
+`in` (every built-in 2:4 projection; `mst`'s unstructured masks are refused in
+s24jax/mst.py): compress24 keeps the two largest |W~| per group. Off a GPU the kernels run in
+Pallas interpret mode (slow, exact: CPU tests exercise the same code). FP8 is xla-only.
+
 The key: MVUE needs randomness in the backward pass. The caller passes a PRNG key per layer
 and per step (`SparseLinear` draws it with `make_rng('mvue')` from the `rngs={'mvue': ...}`
 that `train.train_step` derives from fold_in(state.rng, step)). A key of None is fine for a
@@ -30,6 +45,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
+import math
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +55,8 @@ import numpy as np
 from s24jax import fp8 as fp8_lib
 from s24jax import masks
 
-BACKENDS = ("xla",)
+# See "Backends" above; sparsity.backend must be one of these.
+BACKENDS = ("xla", "pallas", "pallas_always")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +70,9 @@ class GemmOptions:
     if self.backend not in BACKENDS:
       raise ValueError(f"unknown sparsity.backend {self.backend!r}; valid: "
                        f"{', '.join(BACKENDS)}")
+    if self.fp8 and self.backend != "xla":
+      raise ValueError(f"sparsity.fp8 needs sparsity.backend='xla' (the Pallas kernels have "
+                       f"no FP8 path); got backend {self.backend!r}.")
 
 
 def _matmul_f32(a: jax.Array, b: jax.Array, dims) -> jax.Array:
@@ -127,6 +148,70 @@ def _sparse_linear_2d_bwd(opts, res, dy):
 _sparse_linear_2d.defvjp(_sparse_linear_2d_fwd, _sparse_linear_2d_bwd)
 
 
+# ---------------------------------------------------------------------------------------------
+# The Pallas backends: forward and data gradient on compress24(W~), dense (MVUE) weight grad.
+
+
+def _kernel_matmul_module():
+  """kernels/sparse24_matmul.py, the module (`kernels.sparse24_matmul` is the function that
+  shadows it). Imported on first use, so the xla backend never loads Pallas."""
+  return importlib.import_module("kernels.sparse24_matmul")
+
+
+def _interpret() -> bool:
+  """Pallas interpret mode off a GPU, so CPU tests run the same kernels (slowly, exactly)."""
+  return jax.default_backend() != "gpu"
+
+
+def uses_pallas_kernels(backend: str, tokens: int, out_features: int,
+                        in_features: int) -> bool:
+  """Whether a sparse layer with these (static) sizes runs the Pallas kernels: always for
+  'pallas_always', where `kernels.should_use_pallas_matmul` expects a win for 'pallas'
+  (false off a GPU), never for 'xla'. The only place the backend choice is made."""
+  if backend == "pallas_always":
+    return True
+  if backend == "pallas":
+    return _kernel_matmul_module().should_use_pallas_matmul(tokens, out_features, in_features)
+  return False
+
+
+def _compress(w: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+  """compress24(W~) in the compute dtype: values (out, in/2), meta (out, ceil(in/32)) uint32.
+  W~ is 2:4 already, so the kernel's top-2-of-|W~| keeps exactly its non-zeros."""
+  import kernels   # pylint: disable=g-import-not-at-top  (Pallas only when used)
+  return kernels.compress24(w.astype(dtype), interpret=_interpret())
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _pallas_linear_2d(opts: GemmOptions, x: jax.Array, w: jax.Array,
+                      key: jax.Array | None) -> jax.Array:
+  values, meta = _compress(w, x.dtype)
+  return _kernel_matmul_module().sparse24_matmul(x, values, meta,
+                                                 interpret=_interpret())  # (N, out)
+
+
+def _pallas_linear_2d_fwd(opts, x, w, key):
+  values, meta = _compress(w, x.dtype)                     # (out, in/2), (out, in/32)
+  y = _kernel_matmul_module().sparse24_matmul(x, values, meta,
+                                              interpret=_interpret())   # (N, out)
+  # The compressed operand (~56% of W~'s bytes) is what dX needs; w itself only for its
+  # dtype (a zero-size array: residuals must be arrays).
+  return y, (x, values, meta, jnp.zeros((0,), w.dtype), key)
+
+
+def _pallas_linear_2d_bwd(opts, res, dy):
+  x, values, meta, w_dtype_like, key = res
+  dx = _kernel_matmul_module().sparse24_matmul_dx(
+      dy.astype(values.dtype), values, meta, interpret=_interpret()).astype(x.dtype)  # (N, in)
+  # dL/dW~ at every position, pruned ones included (what STE-style projections map to dW).
+  dw = _wgrad_gemm(dy, x.astype(dy.dtype), key, opts).astype(w_dtype_like.dtype)  # (out, in)
+  dkey = None if key is None else np.zeros(key.shape, jax.dtypes.float0)
+  return dx, dw, dkey
+
+
+_pallas_linear_2d.defvjp(_pallas_linear_2d_fwd, _pallas_linear_2d_bwd)
+
+
 def sparse_linear(x: jax.Array, w: jax.Array, key: jax.Array | None = None, *,
                   mvue: bool = False, backend: str = "xla", fp8: bool = False) -> jax.Array:
   """y = x W~^T for x (..., in) and a 2:4 W~ (out, in), with the three-GEMM backward.
@@ -137,7 +222,8 @@ def sparse_linear(x: jax.Array, w: jax.Array, key: jax.Array | None = None, *,
       gradient comes back in w's dtype.
     key: PRNG key for MVUE (per layer, per step); only used when `mvue` and differentiated.
     mvue: estimate the weight gradient from MVUE(dY^T), 2:4 along tokens (unbiased).
-    backend: GEMM implementation, one of BACKENDS.
+    backend: GEMM implementation, one of BACKENDS ('xla', 'pallas': Pallas kernels where
+      they are expected to win, 'pallas_always'); see the module docstring.
     fp8: all three GEMMs in FP8 with per-tensor amax scaling (s24jax/fp8.py): x and W~ in
       e4m3, dY (and its MVUE estimate) in e5m2, fp32 accumulation.
 
@@ -149,5 +235,12 @@ def sparse_linear(x: jax.Array, w: jax.Array, key: jax.Array | None = None, *,
     raise ValueError(f"sparse_linear: x has {x.shape[-1]} input features (last axis of "
                      f"{tuple(x.shape)}) but W~ {tuple(w.shape)} expects {w.shape[-1]}.")
   lead = x.shape[:-1]
-  y = _sparse_linear_2d(opts, x.reshape(-1, x.shape[-1]), w, key)   # (N, out)
+  op = _sparse_linear_2d
+  if uses_pallas_kernels(backend, math.prod(lead), w.shape[0], w.shape[1]):
+    if w.shape[1] % 4:
+      raise ValueError(f"sparse_linear: sparsity.backend={backend!r} needs W~'s input "
+                       f"dimension (in_features, here {w.shape[1]} of W~ {tuple(w.shape)}) "
+                       "to be a multiple of 4 (2:4 groups along it).")
+    op = _pallas_linear_2d
+  y = op(opts, x.reshape(-1, x.shape[-1]), w, key)                   # (N, out)
   return y.reshape(*lead, w.shape[0])                                # (..., out)

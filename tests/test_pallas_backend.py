@@ -1,0 +1,171 @@
+"""sparsity.backend='pallas': the Pallas kernels (kernels/) inside the three-GEMM sparse op.
+
+On CPU the kernels run in Pallas interpret mode, chosen automatically, so these tests run the
+very code the GPU runs (`pallas_always` forces it: the 'pallas' heuristic picks XLA off a
+GPU). References: plain NumPy float64 formulas (y = x W~^T, dX = dY W~, dW~ = dY^T x) and the
+'xla' backend, itself tested against such formulas in test_sparse_ops.py. The `gpu` twins run
+the same checks natively (bf16 compute as the model uses on GPU) and are skipped here.
+"""
+from __future__ import annotations
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from s24jax import loop
+from s24jax import masks
+from s24jax import sparse_ops
+from s24jax import train
+from s24jax.config import SparsityConfig
+from s24jax.sparse_linear import SparseLinear
+
+from tiny import tiny_config
+
+
+def _normal(seed, shape):
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+
+
+def _sparse_w(seed, shape):
+  w = _normal(seed, shape)                                           # (out, in)
+  return w * masks.nm_mask(w)                                        # W~, 2:4 along in
+
+
+def _op(backend, x, w, dy, key=None, mvue=False):
+  """y, dX, dW~ of sparse_ops.sparse_linear on `backend` (cotangent dy)."""
+  y, vjp = jax.vjp(lambda x, w: sparse_ops.sparse_linear(x, w, key, mvue=mvue,
+                                                         backend=backend), x, w)
+  dx, dw = vjp(dy)
+  return y, dx, dw
+
+
+# (tokens, out, in): one that fills whole kernel tiles, one the kernels must pad on every axis
+# (in = 40: not a multiple of the 64-wide K tile nor of 32, the columns per metadata word).
+SHAPES = [(16, 32, 64), (6, 12, 40)]
+
+
+@pytest.mark.parametrize("tokens,out,inp", SHAPES)
+def test_pallas_op_matches_formulas_and_xla(tokens, out, inp):
+  x, w, dy = _normal(0, (tokens, inp)), _sparse_w(1, (out, inp)), _normal(2, (tokens, out))
+  y, dx, dw = _op("pallas_always", x, w, dy)
+  xn, wn, dyn = (np.asarray(a, np.float64) for a in (x, w, dy))
+  np.testing.assert_allclose(y, xn @ wn.T, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(dx, dyn @ wn, rtol=1e-5, atol=1e-5)
+  # The weight gradient is the DENSE dL/dW~ = dY^T x, also where W~ is pruned: what
+  # straight-through projections pass on to the latent W (the kernel's dvalues would be 0 there).
+  pruned = np.asarray(w) == 0
+  np.testing.assert_allclose(dw, dyn.T @ xn, rtol=1e-5, atol=1e-5)
+  assert np.abs(np.asarray(dw)[pruned]).min() > 0
+  for got, want in zip((y, dx, dw), _op("xla", x, w, dy)):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_pallas_op_mvue_weight_gradient_equals_xla():
+  """Same key: the MVUE estimate of dY^T (drawn by the shared wgrad helper) is the same."""
+  tokens, out, inp = SHAPES[0]      # the kernels compiled for the test above are reused
+  x, w, dy = _normal(3, (tokens, inp)), _sparse_w(4, (out, inp)), _normal(5, (tokens, out))
+  key = jax.random.PRNGKey(7)
+  got = _op("pallas_always", x, w, dy, key, mvue=True)
+  want = _op("xla", x, w, dy, key, mvue=True)
+  for g, r in zip(got, want):
+    np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
+  # And it is an estimate, not the exact dY^T x (MVUE is really on in the Pallas path).
+  assert not np.allclose(got[2], np.asarray(dy).T @ np.asarray(x), atol=1e-3)
+
+
+def test_layer_with_pallas_backend_matches_xla():
+  """Through SparseLinear (the dispatch point), leading batch axes, bias, and S-STE's
+  straight-through backward to the latent W."""
+  tokens, out, inp = SHAPES[0]      # as 2 x 8 tokens: the compiled kernels are reused
+  x, dy = _normal(0, (2, tokens // 2, inp)), _normal(1, (2, tokens // 2, out))  # (B, T, in/out)
+  results = {}
+  for backend in ("xla", "pallas_always"):
+    cfg = SparsityConfig(projection="s_ste", sparse_layers=("*",), backend=backend)
+    layer = SparseLinear(out, cfg, name="fc")
+    variables = flax.core.unfreeze(layer.init(jax.random.PRNGKey(1), x))
+
+    def f(params, x, variables=variables, layer=layer):
+      return layer.apply({**variables, "params": params}, x)
+
+    y, vjp = jax.vjp(f, variables["params"], x)
+    results[backend] = (y, *vjp(dy))
+  for got, want in zip(jax.tree.leaves(results["pallas_always"]), jax.tree.leaves(results["xla"])):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_backend_dispatch():
+  # 'pallas' defers to the kernels' heuristic, which never picks Pallas off a GPU.
+  on_gpu = jax.default_backend() == "gpu"
+  assert sparse_ops.uses_pallas_kernels("pallas", 16, 3072, 768) == on_gpu
+  assert not sparse_ops.uses_pallas_kernels("pallas", 1 << 20, 3072, 768)   # compute-bound
+  assert sparse_ops.uses_pallas_kernels("pallas_always", 1 << 20, 12, 40)
+  assert not sparse_ops.uses_pallas_kernels("xla", 16, 3072, 768)
+
+
+def test_backend_errors_name_the_problem():
+  with pytest.raises(ValueError, match="sparsity.backend 'cusparselt'; valid: xla, pallas, "
+                                       "pallas_always"):
+    SparsityConfig(backend="cusparselt")
+  x, w = _normal(0, (4, 6)), _normal(1, (8, 6))                      # in = 6: not 2:4-able
+  with pytest.raises(ValueError, match="in_features, here 6"):
+    sparse_ops.sparse_linear(x, w, backend="pallas_always")
+  with pytest.raises(ValueError, match="fp8 needs sparsity.backend='xla'"):
+    sparse_ops.sparse_linear(x[:, :4], w[:, :4], backend="pallas_always", fp8=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# A tiny model trained with each backend.
+
+
+def _train_losses(backend, steps=3):
+  c = tiny_config("s_ste", sparsity__backend=backend, sparsity__mvue=True)
+  c.model.vocab_size = 64
+  model, _, tx_fn = loop.build(c)
+  state = train.init_state(model, tx_fn, 0)
+  tx = tx_fn(state.params, state.sparsity)
+  rng = np.random.default_rng(0)
+  losses = []
+  for _ in range(steps):
+    tokens = jnp.asarray(rng.integers(0, 64, (c.batch_size, c.model.seq_len + 1)), jnp.int32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}    # (B, T) each
+    state, m = train.train_step(state, batch, model=model, tx=tx)
+    losses.append(float(m["loss"] / m["count"]))
+  return losses, jax.device_get(state.params)
+
+
+def test_tiny_training_with_pallas_matches_xla():
+  """S-STE + MVUE, 3 AdamW steps: same losses and same latent weights. A Pallas path whose
+  weight gradient were the kernel's dvalues (zero at pruned positions) would leave the
+  pruned latent weights where they started and fail the parameter comparison."""
+  pallas_losses, pallas_params = _train_losses("pallas_always")
+  xla_losses, xla_params = _train_losses("xla")
+  assert all(np.isfinite(pallas_losses))
+  np.testing.assert_allclose(pallas_losses, xla_losses, rtol=1e-5)
+  for got, want in zip(jax.tree.leaves(pallas_params), jax.tree.leaves(xla_params)):
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU twins: native Triton kernels (interpret=False chosen automatically), bf16 as on the model.
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens,out,inp", SHAPES + [(64, 3072, 768)])
+def test_gpu_pallas_op_matches_xla(tokens, out, inp):
+  x = _normal(0, (tokens, inp)).astype(jnp.bfloat16)
+  w, dy = _sparse_w(1, (out, inp)), _normal(2, (tokens, out)).astype(jnp.bfloat16)
+  got = _op("pallas_always", x, w, dy)
+  want = _op("xla", x, w, dy)
+  # bf16 outputs, f32 accumulation in both: a few bf16 ulps of the largest entries.
+  for g, r in zip(got, want):
+    g, r = np.asarray(g, np.float32), np.asarray(r, np.float32)
+    np.testing.assert_allclose(g, r, rtol=2e-2, atol=2e-2 * np.abs(r).max())
+
+
+@pytest.mark.gpu
+def test_gpu_tiny_training_with_pallas_matches_xla():
+  pallas_losses, _ = _train_losses("pallas_always", steps=5)
+  xla_losses, _ = _train_losses("xla", steps=5)
+  np.testing.assert_allclose(pallas_losses, xla_losses, rtol=2e-2)
