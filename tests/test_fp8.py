@@ -147,8 +147,11 @@ def _sparse_op_inputs(seed=0):
 
 
 def _op_outputs(x, w, dy, key=None, **kwargs):
-  y, vjp = jax.vjp(lambda x, w: sparse_ops.sparse_linear(x, w, key, **kwargs), x, w)
-  return (y,) + vjp(dy)
+  @jax.jit
+  def run(x, w, dy, key):
+    y, vjp = jax.vjp(lambda x, w: sparse_ops.sparse_linear(x, w, key, **kwargs), x, w)
+    return (y,) + vjp(dy)
+  return run(x, w, dy, key)
 
 
 def _qdq(a, dtype):
@@ -187,22 +190,29 @@ def test_sparse_op_fp8_gradients_close_to_float32():
 
 
 def test_model_trains_with_fp8():
-  # Both FFN layers through the FP8 op; one train step gives a loss close to the fp32 one.
+  # Both FFN layers through the FP8 op (with MVUE): the loss at init is close to the fp32
+  # model's, and a few steps on one batch bring it down.
   from s24jax import config as config_lib, loop, train  # pylint: disable=g-import-not-at-top
-  losses = {}
-  for use_fp8 in (False, True):
-    c = config_lib.apply_variant(config_lib.base_config(), "tiny")
-    c.sparsity.projection, c.sparsity.fp8, c.sparsity.mvue = "s_ste", use_fp8, True
-    c.model.vocab_size, c.model.seq_len = 64, 8
-    c.model.num_layers, c.model.num_heads, c.model.d_model = 1, 2, 16
-    model, _, tx_fn = loop.build(c)
-    state = train.init_state(model, tx_fn, 0)
-    tokens = np.random.default_rng(0).integers(0, 64, size=(4, 9))
-    batch = {"inputs": jnp.asarray(tokens[:, :-1]), "targets": jnp.asarray(tokens[:, 1:])}
-    tx = tx_fn(state.params, state.sparsity)
-    state, m1 = train.train_step(state, batch, model=model, tx=tx)
-    _, m2 = train.train_step(state, batch, model=model, tx=tx)
-    losses[use_fp8] = [float(m["loss"] / m["count"]) for m in (m1, m2)]
-  assert all(np.isfinite(losses[True]))
-  np.testing.assert_allclose(losses[True], losses[False], rtol=2e-2)
-  assert losses[True] != losses[False]
+  c = config_lib.apply_variant(config_lib.base_config(), "tiny")
+  c.sparsity.projection, c.sparsity.fp8, c.sparsity.mvue = "s_ste", True, True
+  c.model.vocab_size, c.model.seq_len = 64, 8
+  c.model.num_layers, c.model.num_heads, c.model.d_model = 1, 2, 16
+  c.optim.warmup_steps, c.optim.lr = 1, 1e-2
+  model, _, tx_fn = loop.build(c)
+  state = jax.jit(lambda: train.init_state(model, tx_fn, 0))()
+  tokens = np.random.default_rng(0).integers(0, 64, size=(4, 9))
+  batch = {"inputs": jnp.asarray(tokens[:, :-1]), "targets": jnp.asarray(tokens[:, 1:])}
+  c.sparsity.fp8 = False
+  fp32_model, _, _ = loop.build(c)
+  fp32_logits = jax.jit(fp32_model.apply)({"params": state.params, "sparsity": state.sparsity},
+                                          batch["inputs"])
+  fp32_loss = float(train.cross_entropy_sum(fp32_logits, batch["targets"])) / batch["targets"].size
+  tx = tx_fn(state.params, state.sparsity)
+  losses = []
+  for _ in range(4):
+    state, m = train.train_step(state, batch, model=model, tx=tx)
+    losses.append(float(m["loss"] / m["count"]))
+  assert np.all(np.isfinite(losses))
+  np.testing.assert_allclose(losses[0], fp32_loss, rtol=1e-2)
+  assert losses[0] != fp32_loss            # FP8 really changed the forward
+  assert losses[-1] < losses[0] - 0.05, losses
