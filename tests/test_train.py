@@ -12,7 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from flax import traverse_util
+
 from s24jax import checkpoint as ckpt_lib
+from s24jax import compare
 from s24jax import loop, projections, train
 from s24jax import state as state_lib
 
@@ -133,28 +136,32 @@ def test_four_devices_match_one_device(tmp_path, data_cache):
   np.testing.assert_allclose([l4[k] for k in l4], [l1[k] for k in l1], rtol=2e-5)
 
 
+def _flat(config):
+  return {k: v for k, v in traverse_util.flatten_dict(config.to_dict(), sep=".").items()
+          if v is not None and not isinstance(v, (tuple, list))}
+
+
 def test_sigkill_and_restart_reaches_the_same_losses(uninterrupted, tmp_path, data_cache):
   """A real SIGKILL in the middle of a run, then the same command again."""
   workdir = str(tmp_path / "killed")
   cmd = [sys.executable, os.path.join(REPO, "launch.py"), "--config",
          os.path.join(REPO, "experiments", "gpt2_s_ste.py") + ":tiny", "--workdir", workdir]
-  c = tiny_config("s_ste", steps=6, workdir_cache=data_cache)
-  for key in ("total_steps", "batch_size", "log_every", "eval_every", "eval_batches",
-              "checkpoint_every"):
-    cmd.append(f"--config.{key}={c[key]}")
-  for sec, key in (("model", "seq_len"), ("model", "num_layers"), ("model", "num_heads"),
-                   ("model", "d_model"), ("optim", "warmup_steps"), ("data", "cache_dir")):
-    cmd.append(f"--config.{sec}.{key}={c[sec][key]}")
+  # the test config, expressed as --config overrides of the experiment file's tiny variant
+  want = _flat(tiny_config("s_ste", steps=6, workdir_cache=data_cache))
+  have = _flat(compare.load_config(cmd[3]))
+  cmd += [f"--config.{k}={v}" for k, v in want.items() if have.get(k) != v]
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   proc = subprocess.Popen(cmd + ["--config.stop_at_step=-1"], env=env, cwd=REPO,
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                           start_new_session=True)
-  ckpt4 = os.path.join(workdir, "checkpoints", "4")
+  ckpt2 = os.path.join(workdir, "checkpoints", "2")
   deadline = time.time() + 300
-  while not os.path.exists(ckpt4) and proc.poll() is None and time.time() < deadline:
-    time.sleep(0.05)
+  while not os.path.exists(ckpt2) and proc.poll() is None and time.time() < deadline:
+    time.sleep(0.02)
   os.killpg(proc.pid, signal.SIGKILL)
   proc.wait()
+  assert proc.returncode == -signal.SIGKILL
+  assert not os.path.exists(os.path.join(workdir, "final_metrics.json")), "killed too late"
   subprocess.run(cmd, env=env, cwd=REPO, check=True, timeout=600,
                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   assert _losses(workdir) == _losses(uninterrupted[0])
