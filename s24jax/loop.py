@@ -119,6 +119,14 @@ def _summarise(metric_list: list[dict], elapsed: float, tokens: int, fpt: float,
   return out
 
 
+def _act_title(config) -> str:
+  """' + venom act 64:2:8' (V:N:M) when the FFN activations are sparse (act_sparsity.py)."""
+  sp = config.sparsity
+  if sp.act_sparsity == "none":
+    return ""
+  return f" + {sp.act_sparsity} act {sp.act_v}:{sp.act_n}:{sp.act_m}"
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   """Trains per `config`, resuming from `workdir` if it holds a checkpoint. Returns finals."""
   os.makedirs(workdir, exist_ok=True)
@@ -260,8 +268,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   ckpt.close()
   writer.close()
   metrics_lib.plot(writer.jsonl_path, os.path.join(workdir, "metrics.png"),
-                   title=f"{config.sparsity.projection} | {model.config.num_layers}L "
-                         f"{model.config.d_model}d")
+                   title=f"{config.sparsity.projection}{_act_title(config)} | "
+                         f"{model.config.num_layers}L {model.config.d_model}d")
   final.update(flops_lib.summary(flop_acct))
   if mst_ctl is not None:
     records = metrics_lib.read_jsonl(writer.jsonl_path)
