@@ -15,6 +15,8 @@ Runs (each its own workdir under --root; finished ones are reused, not redone):
   recipe_auto        the recipe with lambda_W chosen by the controller (steps [100, 200)); its
                      masks are refreshed every 10 steps so that the controller, which only sees
                      a flip rate at refreshes, gets 10 measurements instead of 2-3
+  recipe_no_mvue     the recipe with the exact weight gradient dY^T x (no MVUE)
+  recipe_refresh1    the recipe with the transposable mask recomputed every step
 
 Columns: val/train loss at the end (after dense fine-tuning for the recipe rows), the flip
 rate of the last log of the sparse phase and its peak (for the recipe rows, changed mask
@@ -25,7 +27,6 @@ whether the flip-rate warning was on at the last log (`flip_warn`).
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -47,6 +48,9 @@ RUNS = [
     compare.Run("recipe", RECIPE),
     compare.Run("sr_ste_grad_auto", SR_STE, {**AUTO, "sparsity.decay_placement": "gradients"}),
     compare.Run("recipe_auto", RECIPE, {**AUTO, "sparsity.mask_refresh_every": 10}),
+    # Ablations of the recipe: what MVUE and the 40-step mask refresh cost.
+    compare.Run("recipe_no_mvue", RECIPE, {"sparsity.mvue": False}),
+    compare.Run("recipe_refresh1", RECIPE, {"sparsity.mask_refresh_every": 1}),
 ]
 
 EXTRA = {"train/sparsity/decay": "lambda", "train/transposable_kept_ratio": "kept_ratio",
@@ -54,28 +58,8 @@ EXTRA = {"train/sparsity/decay": "lambda", "train/transposable_kept_ratio": "kep
 
 
 def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--root", default="runs/compare_hu2024")
-  parser.add_argument("--steps", type=int, default=0,
-                      help="override total_steps of every run (0: the tiny default, 600)")
-  parser.add_argument("--only", default="", help="comma-separated run names")
-  args = parser.parse_args(argv)
-  runs = RUNS
-  if args.only:
-    names = args.only.split(",")
-    unknown = sorted(set(names) - {r.name for r in RUNS})
-    if unknown:
-      raise SystemExit(f"unknown runs {unknown}; valid: {', '.join(r.name for r in RUNS)}")
-    runs = [r for r in RUNS if r.name in names]
-  if args.steps:
-    runs = [compare.Run(r.name, r.config, {**r.overrides, "total_steps": args.steps})
-            for r in runs]
-  table = compare.run_all(runs, args.root, extra_keys=tuple(EXTRA))
-  for key, short in EXTRA.items():
-    table = table.replace(key, short)
-  print(table)
-  with open(os.path.join(args.root, "table.md"), "w", encoding="utf-8") as f:
-    f.write(table + "\n")
+  compare.script_main(__doc__.split("\n")[0], RUNS, "runs/compare_hu2024",
+                      extra_keys=EXTRA, argv=argv)
 
 
 if __name__ == "__main__":

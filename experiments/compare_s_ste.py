@@ -22,7 +22,6 @@ a recomputed beta ends larger than the fixed one.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -68,28 +67,9 @@ def beta_table(runs, root: str) -> str:
 
 
 def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--root", default="runs/compare_s_ste")
-  parser.add_argument("--steps", type=int, default=0,
-                      help="override total_steps of every run (0: the tiny default, 600)")
-  parser.add_argument("--only", default="", help="comma-separated run names")
-  args = parser.parse_args(argv)
-  runs = RUNS
-  if args.only:
-    names = args.only.split(",")
-    unknown = sorted(set(names) - {r.name for r in RUNS})
-    if unknown:
-      raise SystemExit(f"unknown runs {unknown}; valid: {', '.join(r.name for r in RUNS)}")
-    runs = [r for r in RUNS if r.name in names]
-  if args.steps:
-    runs = [compare.Run(r.name, r.config, {**r.overrides, "total_steps": args.steps})
-            for r in runs]
-  table = compare.run_all(runs, args.root, extra_keys=("train/sparsity/scale",))
-  table = table.replace("train/sparsity/scale", "beta_mean")
-  table += "\n\n" + beta_table(runs, args.root)
-  print(table)
-  with open(os.path.join(args.root, "table.md"), "w", encoding="utf-8") as f:
-    f.write(table + "\n")
+  compare.script_main(__doc__.split("\n")[0], RUNS, "runs/compare_s_ste",
+                      extra_keys={"train/sparsity/scale": "beta_mean"}, appendix=beta_table,
+                      argv=argv)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ Columns beyond the standard ones (s24jax.compare):
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -66,28 +65,9 @@ def _extra_table(runs, root: str) -> str:
 
 
 def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--root", default="runs/compare_venom")
-  parser.add_argument("--steps", type=int, default=0,
-                      help="override total_steps of every run (0: the tiny default, 600)")
-  parser.add_argument("--only", default="", help="comma-separated run names")
-  args = parser.parse_args(argv)
-  runs = RUNS
-  if args.only:
-    names = args.only.split(",")
-    unknown = sorted(set(names) - {r.name for r in RUNS})
-    if unknown:
-      raise SystemExit(f"unknown runs {unknown}; valid: {', '.join(r.name for r in RUNS)}")
-    runs = [r for r in RUNS if r.name in names]
-  if args.steps:
-    runs = [compare.Run(r.name, r.config, {**r.overrides, "total_steps": args.steps})
-            for r in runs]
-  table = compare.run_all(runs, args.root, extra_keys=("act/zero_frac", "act/kept_l1"))
-  table = table.replace("act/zero_frac", "zeros_end").replace("act/kept_l1", "kept_l1_end")
-  table += "\n\n" + _extra_table(runs, args.root)
-  print(table)
-  with open(os.path.join(args.root, "table.md"), "w", encoding="utf-8") as f:
-    f.write(table + "\n")
+  compare.script_main(__doc__.split("\n")[0], RUNS, "runs/compare_venom",
+                      extra_keys={"act/zero_frac": "zeros_end", "act/kept_l1": "kept_l1_end"},
+                      appendix=_extra_table, argv=argv)
 
 
 if __name__ == "__main__":

@@ -108,3 +108,38 @@ def markdown_table(rows, extra_keys: Sequence[str] = ()) -> str:
     lines.append(f"| {r.name} | `{r.config}` {ov} | " +
                  " | ".join(_fmt(row[c]) for c in cols) + " |")
   return "\n".join(lines)
+
+
+def script_main(description: str, runs: Sequence[Run], default_root: str, *,
+                extra_keys: dict[str, str] | None = None, appendix=None, argv=None) -> str:
+  """The shared command line of the experiments/compare_*.py scripts.
+
+  --root DIR, --steps N (override total_steps of every run), --only a,b (a subset). Prints
+  the table (extra columns renamed per `extra_keys` {metric: column}), followed by
+  `appendix(runs, root)` if given, and writes it to ROOT/table.md.
+  """
+  import argparse  # pylint: disable=g-import-not-at-top
+  parser = argparse.ArgumentParser(description=description)
+  parser.add_argument("--root", default=default_root)
+  parser.add_argument("--steps", type=int, default=0,
+                      help="override total_steps of every run (0: each config's own)")
+  parser.add_argument("--only", default="", help="comma-separated run names")
+  args = parser.parse_args(argv)
+  if args.only:
+    names = args.only.split(",")
+    unknown = sorted(set(names) - {r.name for r in runs})
+    if unknown:
+      raise SystemExit(f"unknown runs {unknown}; valid: {', '.join(r.name for r in runs)}")
+    runs = [r for r in runs if r.name in names]
+  if args.steps:
+    runs = [Run(r.name, r.config, {**r.overrides, "total_steps": args.steps}) for r in runs]
+  extra_keys = extra_keys or {}
+  table = run_all(runs, args.root, extra_keys=tuple(extra_keys))
+  for key, short in extra_keys.items():
+    table = table.replace(key, short)
+  if appendix is not None:
+    table += "\n\n" + appendix(runs, args.root)
+  print(table)
+  with open(os.path.join(args.root, "table.md"), "w", encoding="utf-8") as f:
+    f.write(table + "\n")
+  return table
