@@ -14,12 +14,18 @@ projected once, then the dense twin without weight or activation sparsity).
 The activation statistics (exact zeros, V:N:M kept L1 share) are logged per layer every
 log step and plotted in metrics.png.
 
-Expected (tiny, 2 CPU cores, roughly twice the time of the dense run: the V:N:M column
-search is a jnp reference on CPU): a slightly higher val loss than the relu2 dense baseline
-during the sparse phase, mostly recovered after the switch to dense; a kept-L1 share of
-0.9+ since Squared-ReLU activations are sparse and heavy-tailed. 124m: the paper-scale
-GPT-2 recipe of DESIGN.md section 6 (300k steps, dense from 210k); on a GPU host set
---config.sparsity.act_backend to a registered VENOM kernel once one exists.
+Expected (tiny, 600 steps; measured with experiments/compare_venom.py, see its table):
+val loss ~5.50 against 5.30 for the relu2 dense baseline; at this scale the 2:4 weights
+cost more (~0.13 nats alone) than the V:N:M activations (~0.06 alone), and the short dense
+phase (180 steps at the end of the cosine, low lr) recovers little. Training with the mask
+makes the activations more V:N:M-friendly: the kept L1 share rises to ~0.93 (dense relu2
+run: ~0.86). On CPU a step is ~35% slower than dense relu2 (the V:N:M column search is the
+jnp reference).
+
+124m: the paper-scale GPT-2 recipe of DESIGN.md section 6 (300k steps, dense from 210k;
+activation statistics on 8 sequences per log step). On a GPU host
+--config.sparsity.act_backend=pallas selects and multiplies with kernels/venom.py (forward
+from the compressed activations; untested natively here: no GPU in this session).
 """
 from s24jax.config import apply_variant, base_config
 
