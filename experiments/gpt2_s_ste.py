@@ -6,19 +6,17 @@ The recipe: soft threshold S(W) (continuous in W), forward weight beta * S(W) wi
 per-tensor scale beta fixed at initialisation (checkpointed), straight-through backward; the
 weight gradient from the unbiased MVUE 2:4 estimate of dY^T (sparsity.mvue); all three GEMMs
 of the sparse (FFN) layers in FP8 (sparsity.fp8: e4m3 x and W~, e5m2 dY, per-tensor current
-amax, fp32 accumulation). FP8 is on because it did not hurt the tiny run: paired with the
-fp32 run of the same seed its final val loss was +0.015, -0.072 (seed 1) and, with MVUE,
--0.106 (experiments/compare_s_ste.py, 300 steps). FP8 needs sparsity.backend='xla'.
+amax, fp32 accumulation; simulated on CPU). Why FP8 and MVUE are on: README, "S-STE".
 Ablations:
-  --config.sparsity.rescale_every=1   recompute beta every step (it grows; logged as
-                                      train/sparsity/scale per layer and its mean)
-  --config.sparsity.mvue=False        exact weight gradient
-  --config.sparsity.fp8=False         fp32 (or bf16) GEMMs
+  --config.sparsity.s_ste.rescale_every=1   recompute beta every step (it grows; logged as
+                                            train/sparsity/scale per layer and its mean)
+  --config.sparsity.mvue=False              exact weight gradient
+  --config.sparsity.fp8=False               fp32 (or bf16) GEMMs
 
-Expected (tiny, 2 CPU cores, a few minutes on free cores): final val loss clearly below the
-unigram entropy of the embedded corpus, close to the dense baseline; the flip rate rises
-early then decays; beta stays at its initial value. The default (no variant) is the
-paper-scale GPT-2 124M recipe of DESIGN.md section 6.
+Expected (tiny, a few minutes on 2 free CPU cores): final val loss clearly below the unigram
+entropy of the embedded corpus, close to the dense baseline; the flip rate rises early then
+decays; beta stays at its initial value. Measured: README, "Quick start" and "S-STE". The
+default (no variant) is paper-scale GPT-2 124M.
 """
 from s24jax.config import apply_variant, base_config
 
@@ -26,7 +24,7 @@ from s24jax.config import apply_variant, base_config
 def get_config(variant=None):
   config = base_config()
   config.sparsity.projection = "s_ste"
-  config.sparsity.rescale_every = 0    # beta fixed at init
-  config.sparsity.mvue = True          # MVUE 2:4 dY^T for the weight gradient
-  config.sparsity.fp8 = True           # FP8 sparse-layer GEMMs (did not hurt the tiny run)
+  config.sparsity.s_ste.rescale_every = 0   # beta fixed at init
+  config.sparsity.mvue = True               # MVUE 2:4 dY^T for the weight gradient
+  config.sparsity.fp8 = True                # FP8 sparse-layer GEMMs
   return apply_variant(config, variant)

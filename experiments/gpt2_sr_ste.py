@@ -2,17 +2,20 @@
 
   python launch.py --config experiments/gpt2_sr_ste.py:tiny --workdir runs/sr_ste_tiny
   # the original decoupled placement (on weights):
-  python launch.py --config experiments/gpt2_sr_ste.py:tiny --config.sparsity.decay_placement=weights
+  python launch.py --config experiments/gpt2_sr_ste.py:tiny \\
+      --config.sparsity.sr_ste.decay_placement=weights
 
-lambda_W = 6e-5 (GPT-2 124M/774M; the 350m/1558m variants use 2e-4, Hu et al.). Expected
-(tiny): a lower flip rate than plain STE late in training, val loss near STE or better.
+lambda_W per model size from Hu et al. (methods.sr_ste.PAPER_DECAY: 6e-5 at 124M/774M, 2e-4 at
+350M/1.5B; tiny uses the 124M value). Expected (tiny): a lower flip rate than plain STE late
+in training, val loss near STE. Measured: README, "Hu et al. 2024".
 """
 from s24jax.config import apply_variant, base_config
+from s24jax.methods import sr_ste
 
 
 def get_config(variant=None):
   config = base_config()
   config.sparsity.projection = "sr_ste"
-  config.sparsity.decay = 6e-5
-  config.sparsity.decay_placement = "gradients"
+  config.sparsity.sr_ste.decay = sr_ste.PAPER_DECAY.get(variant, sr_ste.PAPER_DECAY["124m"])
+  config.sparsity.sr_ste.decay_placement = "gradients"
   return apply_variant(config, variant)

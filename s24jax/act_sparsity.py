@@ -19,7 +19,7 @@ saves only the bool mask). The mask is a function of h, but a piecewise-constant
 this is also what autodiff of h * mask(h) gives almost everywhere; the custom rule makes it
 explicit and keeps the mask search (sorts, argmax) out of the backward pass.
 
-Backends (`sparsity.act_backend`, the seam for the VENOM kernel). A backend selects the
+Backends (`act_sparsity.backend`, the seam for the VENOM kernel). A backend selects the
 mask (and whatever metadata its matmul needs) and, optionally, does the second matmul:
   'xla'    the reference: `masks.venom_select` (exact, plain jnp), then the layer's own
            matmul (`sparse_linear.linear`) on the masked activation;
@@ -38,7 +38,8 @@ L1 because it is exactly what the VENOM column choice maximises (the kept |h|); 
 means the activations already were V:N:M sparse, 0.25 (2:8) is what a flat h would keep.
 `activation_stats(params, sparsity, inputs, model=..., num_sequences=...)` is that forward
 pass (jitted; the LM head is dead code and XLA drops it); the loop calls it on the step's
-batch before the train step at every log step (`config.act_stats_sequences`).
+batch before the train step at every log step (`config.act_sparsity.stats_sequences`,
+`stats_hooks`).
 """
 from __future__ import annotations
 
@@ -51,11 +52,38 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
+from s24jax import hooks as hooks_lib
 from s24jax import masks
 
-ACT_SPARSITIES = ("none", "venom")
+KINDS = ("none", "venom")
 # Names of the sown statistics (per MLP) and their metric prefix: `act/<stat>/<layer>`.
 STATS = ("zero_frac", "kept_l1")
+
+
+@dataclasses.dataclass(frozen=True)
+class ActSparsityConfig:
+  """V:N:M sparsity of the FFN activations feeding the second FFN matmul (`config.act_sparsity`
+  minus `stats_sequences`); composes with any weight method."""
+  kind: str = "none"        # 'none' or 'venom'
+  v: int = 64               # rows (tokens) per block
+  n: int = 2                # kept per row among the block's 4 chosen columns
+  m: int = 8                # columns per block (hidden units, the contraction axis)
+  backend: str = "xla"      # 'xla' (reference) or 'pallas' (kernels/venom.py); see above
+
+  def __post_init__(self):
+    if self.kind not in KINDS:
+      raise ValueError(f"unknown act_sparsity.kind {self.kind!r}; valid: {', '.join(KINDS)}")
+    if self.v < 1 or self.m < 4 or not 0 <= self.n <= 4:
+      raise ValueError("V:N:M activation sparsity needs act_sparsity.v >= 1, m >= 4 and "
+                       f"0 <= n <= 4 (n of the 4 chosen columns); got v={self.v}, "
+                       f"n={self.n}, m={self.m}")
+
+  @property
+  def enabled(self) -> bool:
+    return self.kind != "none"
+
+  def describe(self) -> str:
+    return f"{self.kind} act {self.v}:{self.n}:{self.m}" if self.enabled else ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +103,7 @@ _ACT_BACKENDS: dict[str, ActBackend] = {}
 
 
 def register_act_backend(name: str, backend: ActBackend) -> None:
-  """Registers an activation-sparsity backend under `sparsity.act_backend` = name."""
+  """Registers an activation-sparsity backend under `act_sparsity.backend` = name."""
   _ACT_BACKENDS[name] = backend
 
 
@@ -85,7 +113,7 @@ def available_act_backends() -> tuple[str, ...]:
 
 def get_act_backend(name: str) -> ActBackend:
   if name not in _ACT_BACKENDS:
-    raise ValueError(f"unknown sparsity.act_backend {name!r}; valid: "
+    raise ValueError(f"unknown act_sparsity.backend {name!r}; valid: "
                      f"{', '.join(available_act_backends())} (register others with "
                      "s24jax.act_sparsity.register_act_backend)")
   return _ACT_BACKENDS[name]
@@ -134,7 +162,7 @@ def venom_rows_mask(h: jax.Array, v: int, n: int, m: int, *,
   if h.ndim < 1 or h.shape[-1] % m:
     raise ValueError(f"V:N:M activation sparsity needs the hidden dimension H (last axis of "
                      f"the FFN activation, shape {tuple(h.shape)}) to be a multiple of "
-                     f"sparsity.act_m={m}.")
+                     f"act_sparsity.m={m}.")
   h2, rows = _rows(jax.lax.stop_gradient(h), v)                       # (R + pad, H)
   mask, meta = get_act_backend(backend).select(h2, v, n, m)           # (R + pad, H)
   return mask[:rows].reshape(h.shape), meta
@@ -185,8 +213,8 @@ def _interpret() -> bool:
 def _pallas_select(h2: jax.Array, v: int, n: int, m: int):
   from kernels import venom   # pylint: disable=g-import-not-at-top
   if n != 2:
-    raise ValueError(f"sparsity.act_backend='pallas' (kernels/venom.py) keeps 2 of the 4 "
-                     f"chosen columns; got sparsity.act_n={n}.")
+    raise ValueError(f"act_sparsity.backend='pallas' (kernels/venom.py) keeps 2 of the 4 "
+                     f"chosen columns; got act_sparsity.n={n}.")
   values, vmeta, cols = venom.venom_compress(h2, v, m, interpret=_interpret())
   ones = jnp.ones_like(values)
   mask = venom.venom_decompress(ones, vmeta, cols, v, m) != 0        # exact kept positions
@@ -284,3 +312,22 @@ def stats_from_intermediates(intermediates: Any) -> dict[str, jax.Array]:
     if xs:
       out[f"act/{stat}"] = jnp.mean(jnp.stack(xs))
   return out
+
+
+def stats_hooks(config) -> list[hooks_lib.Hook]:
+  """The loop's measurement hook: before the train step of every log step, one extra forward
+  on the first `config.act_sparsity.stats_sequences` sequences of the step's batch (the
+  activations this step trains on), logged at that step; its time is not training time."""
+  n = int(config.act_sparsity.stats_sequences)
+  if not n:
+    return []
+
+  def measure(run):
+    stats = activation_stats(run.state.params, run.state.sparsity, run.batch["inputs"],
+                             model=run.model, num_sequences=min(n, config.batch_size))
+    run.write(run.step + 1, {k: float(v) for k, v in jax.device_get(stats).items()})
+
+  def due(step):
+    return hooks_lib.itstime(step + 1, config.log_every, config.total_steps)
+
+  return [hooks_lib.Hook(measure, before_step=True, due=due, name="activation statistics")]

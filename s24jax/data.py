@@ -30,10 +30,10 @@ from typing import Any, Callable, Iterable, Iterator
 
 from absl import logging
 import ml_collections
-from ml_collections import config_dict
 import numpy as np
 import tiktoken
 
+from s24jax import config as config_lib
 from s24jax.datasets import text_corpus
 
 VOCAB_SIZE = 50257
@@ -140,17 +140,8 @@ def get_tokenizer() -> tiktoken.Encoding:
 
 
 def default_data_config() -> ml_collections.ConfigDict:
-  """`config.data` defaults. Optional fields are typed placeholders so flags can set them."""
-  return ml_collections.ConfigDict({
-      # 'shakespeare', 'text_folder' (or set `path`), or any TFDS text dataset name.
-      'name': SHAKESPEARE,
-      'path': config_dict.placeholder(str),  # Folder of .txt files, one document per file.
-      'cache_dir': config_dict.placeholder(str),  # Default: $S24JAX_CACHE or ~/.cache/s24jax.
-      'tfds_data_dir': config_dict.placeholder(str),  # Default: TFDS's own ($TFDS_DATA_DIR...).
-      'val_fraction': text_corpus.DEFAULT_VAL_FRACTION,  # Share of documents held out.
-      'text_key': 'text',  # Feature holding the text in TFDS datasets.
-      'max_docs': config_dict.placeholder(int),  # Cap on documents per split (quick tests).
-  })
+  """`config.data` defaults (defined in s24jax/config.py, which imports no data pipeline)."""
+  return config_lib.data_config()
 
 
 def _field(cfg: Any, name: str) -> Any:

@@ -7,17 +7,18 @@ Counted per step (a multiply-add is 2 FLOPs; tokens = batch_size * seq_len):
 - attention scores Q K^T and values A V, per layer and sequence: 2 C FLOPs per allowed
   (query, key) pair for each of the two matmuls, forward 4 C pairs, with the backward
   (twice the forward) 12 C pairs; pairs = T (T + 1) / 2 for dense causal attention (only the
-  pairs a causal kernel needs, not the T^2 of model.flops_per_token), fewer for the strided
-  patterns (s24jax/attention_masks.py);
+  pairs a causal kernel needs, not the T^2 of the usual 6N + 12 L T C estimate), fewer for
+  the strided patterns (s24jax/attention_masks.py);
 - the tied lm head (dense): 6 V C tokens;
-- an MST topology update (s24jax/mst.py) adds one forward/backward on the step's batch for
+- an MST topology update (s24jax/methods/mst.py) adds one forward/backward on the step's batch for
   the dense gradient: linear 4 nnz + 2 out*in (the dense weight gradient) per token,
   attention 12 C pairs, head 4 V C per token (no head weight gradient).
 Not counted: layer norms, softmax, activations, residual adds, embedding gathers and the
 optimizer (all O(params) or O(tokens * C), not O(tokens * params)).
 
 The dense reference of a run is the same config with every kernel dense, dense causal
-attention at every step and no topology updates.
+attention at every step and no topology updates. MFU (s24jax/metrics.py) divides by the
+dense count of this same model (`dense_flops_per_token`): there is one FLOP model.
 
     python -m s24jax.flops experiments/gpt2_mst.py:124m
 
@@ -27,13 +28,18 @@ schedule exactly, so the plan equals what the loop logs).
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any, Mapping
 
 import flax
-import numpy as np
+import jax
+import jax.numpy as jnp
 from flax import traverse_util
 
 from s24jax import attention_masks
+from s24jax import compare
+from s24jax import model as model_lib
+from s24jax import state as state_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +108,7 @@ class Accountant:
     self.dense_total = StepFlops()
     self.last = StepFlops()
     self.steps = 0
+    self.nnz: dict[str, int] = {}
     self._cache: dict[Any, StepFlops] = {}
 
   def _step(self, nnz: Mapping[str, int], attention: str, update: bool) -> StepFlops:
@@ -112,9 +119,20 @@ class Accountant:
                                     topology_update=update)
     return self._cache[key]
 
-  def add(self, nnz: Mapping[str, int], attention: str, *, topology_update: bool = False) -> None:
-    """Counts one step with these active counts and attention pattern."""
-    self.last = self._step(nnz, attention, topology_update)
+  def add_step(self, step_cfg, step: int, masked: Mapping[str, tuple[int, int]],
+               config) -> None:
+    """Counts `step`, trained by the model `step_cfg` (its method's flop profile and its
+    attention pattern); `masked` are the sparse layers' shapes."""
+    nnz, extra = step_cfg.sparsity.method.flop_profile(step, masked, config)
+    self.add(nnz, step_cfg.attention, topology_update=extra)
+
+  def add(self, nnz: Mapping[str, int] | None, attention: str, *,
+          topology_update: bool = False) -> None:
+    """Counts one step with these active counts (None: those of the previous step) and
+    attention pattern."""
+    if nnz is not None:
+      self.nnz = dict(nnz)
+    self.last = self._step(self.nnz, attention, topology_update)
     self.total = self.total + self.last
     self.dense_total = self.dense_total + self._step({}, "causal", False)
     self.steps += 1
@@ -140,15 +158,11 @@ def summary(acct: Accountant) -> dict[str, float]:
 
 
 def model_shapes(config) -> tuple[Any, dict[str, tuple[int, int]], dict[str, tuple[int, int]]]:
-  """(ModelConfig, all linear kernel shapes, masked ones) of `config`, without allocating."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from s24jax import config as config_lib  # pylint: disable=g-import-not-at-top
-  from s24jax import state as state_lib  # pylint: disable=g-import-not-at-top
-  from s24jax.model import GPT2  # pylint: disable=g-import-not-at-top
-  model_cfg = config_lib.model_config(config)
+  """(ModelConfig, all linear kernel shapes, sparse ones) of `config`, without allocating."""
+  model_cfg = model_lib.model_config(config)
   tokens = jax.ShapeDtypeStruct((1, model_cfg.seq_len), jnp.int32)
-  variables = jax.eval_shape(lambda t: GPT2(model_cfg).init(jax.random.PRNGKey(0), t), tokens)
+  variables = jax.eval_shape(lambda t: model_lib.GPT2(model_cfg).init(jax.random.PRNGKey(0), t),
+                             tokens)
   shapes = linear_kernel_shapes(variables["params"])
   sparsity = variables.get("sparsity", {})
   masked = {state_lib.layer_name(p): shapes[state_lib.layer_name(p)]
@@ -156,37 +170,29 @@ def model_shapes(config) -> tuple[Any, dict[str, tuple[int, int]], dict[str, tup
   return model_cfg, shapes, masked
 
 
-def planned(config, upto: int | None = None) -> Accountant:
-  """The accountant of steps [0, upto) of `config` (default: all), from the schedules alone.
+def dense_flops_per_token(model_cfg, shapes: Mapping[str, tuple[int, int]]) -> float:
+  """Training FLOPs per token of the dense model with causal attention (for MFU)."""
+  step = step_flops(model_cfg, shapes, {}, batch_size=1, seq_len=model_cfg.seq_len,
+                    attention="causal")
+  return step.total / model_cfg.seq_len
 
-  MST runs prune exactly to their target counts at every update (asserted by the loop), so
-  this is what the loop logs; a resumed run starts its accountant from here.
-  """
-  from s24jax import mst  # pylint: disable=g-import-not-at-top
-  from s24jax import schedules  # pylint: disable=g-import-not-at-top
+
+def planned(config, upto: int | None = None) -> Accountant:
+  """The accountant of steps [0, upto) of `config` (default: all), from the method's schedule
+  alone (`Method.model_at`, `Method.flop_profile`). MST prunes exactly to its target counts
+  at every update (asserted where it runs), so this is what the loop logs; a resumed run
+  starts its accountant from here."""
   model_cfg, shapes, masked = model_shapes(config)
   acct = Accountant(model_cfg, shapes, batch_size=config.batch_size,
                     seq_len=config.model.seq_len)
-  total = config.total_steps
-  upto = total if upto is None else min(upto, total)
-  dense_from = schedules.dense_finetune_start(total, config.sparsity.dense_finetune_fraction)
-  dynamic = mst.enabled(config)
-  update_every = int(config.mst.update_every)
-  nnz: dict[str, int] = {}
+  upto = config.total_steps if upto is None else min(upto, config.total_steps)
   for step in range(upto):
-    updated = False
-    if step >= dense_from:
-      nnz = {}
-    elif dynamic and step % update_every == 0:
-      counts = mst.target_counts(masked, mst.target_sparsity(config.mst, step, total),
-                                 config.mst.distribution)
-      nnz, updated = counts, True
-    acct.add(nnz, mst.attention_at(config, step), topology_update=updated)
+    acct.add_step(model_cfg.sparsity.method.model_at(step, model_cfg, config), step, masked,
+                  config)
   return acct
 
 
 def _main(argv) -> None:
-  from s24jax import compare  # pylint: disable=g-import-not-at-top
   if len(argv) < 2:
     raise SystemExit("usage: python -m s24jax.flops experiments/X.py[:variant] [key=value ...]")
   config = compare.load_config(argv[1], _parse_overrides(argv[2:]))
@@ -211,5 +217,4 @@ def _parse_overrides(items) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-  import sys  # pylint: disable=g-import-not-at-top
   _main(sys.argv)

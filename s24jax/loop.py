@@ -1,39 +1,36 @@
-"""`train_and_evaluate(config, workdir)`: data, init, restore, the step loop, eval, logging.
+"""`train_and_evaluate(config, workdir)`: the training loop, a few lines around hooks.
 
-The loop is plain Python around two compiled steps: the sparse step and (for dense
-fine-tuning) a dense twin compiled from the same model with `projection='dense'`, so the
-dense phase runs at dense speed instead of branching inside one step.
+Set-up (`Run.create`) builds the data, the models, the optimizer and the state (restored from
+the workdir if it holds a checkpoint). The loop then, for every step: picks the step's model
+(the method's phases: dense fine-tuning, attention windows; one compiled step per distinct
+model), runs the due "before" hooks, the jitted train step, and the due "after" hooks: log,
+eval, checkpoint, FLOP accounting, activation statistics and the method's own chores
+(s24jax/hooks.py). Nothing here names a method.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
-import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from absl import logging
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from s24jax import act_sparsity
 from s24jax import checkpoint as ckpt_lib
-from s24jax import config as config_lib
 from s24jax import data as data_lib
-from s24jax import decay_control
-from s24jax import flip_monitor
 from s24jax import flops as flops_lib
+from s24jax import hooks as hooks_lib
+from s24jax import methods
 from s24jax import metrics as metrics_lib
-from s24jax import mst
+from s24jax import model as model_lib
 from s24jax import optim
-from s24jax import projections
 from s24jax import schedules
 from s24jax import state as state_lib
 from s24jax import train
-from s24jax.model import GPT2, flops_per_token, num_params
 
 
 def make_mesh(devices=None) -> Mesh:
@@ -48,32 +45,7 @@ def shard_batch(batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array
   return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
 
 
-def build(config: ml_collections.ConfigDict):
-  """Models (sparse, dense twin), the optimizer factory and a fresh state."""
-  model = GPT2(config_lib.model_config(config))
-  dense_model = GPT2(config_lib.model_config(config, dense=True))
-  proj = projections.get_projection(config.sparsity.projection)
-
-  def tx_fn(params, sparsity):
-    return optim.make_optimizer(config, state_lib.is_sparse_kernel(params, sparsity), proj.mask)
-
-  return model, dense_model, tx_fn
-
-
-def attention_twins(config, model: GPT2, dense_model: GPT2):
-  """step -> (model, dense twin) with that step's attention pattern (MST Hybrid Sparse
-  Attention): one compiled step per pattern, built once so the jit cache is reused."""
-  twins = {model.config.attention: (model, dense_model)}
-  start, end = mst.attention_window(config)
-  if end > start:
-    pattern = config.mst.sparse_attention
-    if pattern not in twins:
-      twins[pattern] = tuple(GPT2(dataclasses.replace(m.config, attention=pattern))
-                             for m in (model, dense_model))
-  return lambda step: twins[mst.attention_at(config, step)]
-
-
-def _local_batch(tokens, config, step: int) -> dict[str, np.ndarray]:
+def local_batch(tokens, config, step: int) -> dict[str, np.ndarray]:
   """This process's share of the global batch of `step` (a pure function of seed, step)."""
   b = data_lib.batch_at(tokens, seed=config.seed, step=step, batch_size=config.batch_size,
                         seq_len=config.model.seq_len)
@@ -90,6 +62,208 @@ def evaluate(params, sparsity, model, val_batches, mesh) -> float:
   return loss / max(count, 1.0)
 
 
+def build(config: ml_collections.ConfigDict):
+  """The run's method, its model config, and the optimizer factory tx_fn(params, sparsity)."""
+  method = methods.from_config(config)
+  model_cfg = model_lib.model_config(config, method)
+
+  def tx_fn(params, sparsity):
+    return optim.make_optimizer(config, state_lib.is_sparse_kernel(params, sparsity), method)
+
+  return method, model_cfg, tx_fn
+
+
+@dataclasses.dataclass
+class Run:
+  """What the hooks see and change: the state, the step, the step's batch and model."""
+  config: ml_collections.ConfigDict
+  workdir: str
+  mesh: Mesh
+  data: Any
+  method: methods.Method            # the run's method (its phases pick each step's model)
+  base_cfg: model_lib.ModelConfig   # the run's model (the method's, before any phase)
+  model_cfg: model_lib.ModelConfig  # the model of the current step
+  tx: Any
+  state: Any
+  ckpt: ckpt_lib.Checkpointer
+  writer: metrics_lib.MetricWriter
+  step: int = 0                     # before a train step: its index; after it: steps done
+  batch: Any = None
+  clock: hooks_lib.Clock = dataclasses.field(default_factory=hooks_lib.Clock)
+  pending: list = dataclasses.field(default_factory=list)   # metrics since the last log
+  last_log: dict = dataclasses.field(default_factory=dict)
+  final: dict = dataclasses.field(default_factory=dict)
+  postfix: dict = dataclasses.field(default_factory=dict)   # the progress bar's fields
+  _models: dict = dataclasses.field(default_factory=dict)
+
+  @property
+  def total(self) -> int:
+    return int(self.config.total_steps)
+
+  @property
+  def model(self) -> model_lib.GPT2:
+    """The step's model, one instance per distinct config (so the jit cache is reused)."""
+    return self._models.setdefault(self.model_cfg, model_lib.GPT2(self.model_cfg))
+
+  def write(self, step: int, scalars: dict[str, Any]) -> None:
+    self.writer.write(step, scalars)
+    self.final.update(scalars)
+
+  def set_model(self, step: int) -> None:
+    """Moves to the model of `step`; leaving a model may change the state (dense twin)."""
+    new = self.method.model_at(step, self.base_cfg, self.config)
+    if new != self.model_cfg:
+      logging.info("step %d: switching to the model %s", step, new.describe())
+      self.state = self.model_cfg.sparsity.method.enter(self.state, new)
+      self.model_cfg = new
+
+  @classmethod
+  def create(cls, config: ml_collections.ConfigDict, workdir: str) -> "Run":
+    os.makedirs(workdir, exist_ok=True)
+    mesh = make_mesh()
+    if config.batch_size % jax.device_count():
+      raise ValueError(f"batch_size={config.batch_size} is not divisible by the "
+                       f"{jax.device_count()} devices")
+    method, model_cfg, tx_fn = build(config)
+    fresh = jax.jit(lambda: train.init_state(model_lib.GPT2(model_cfg), tx_fn, config.seed),
+                    out_shardings=NamedSharding(mesh, P()))()
+    ckpt = ckpt_lib.Checkpointer(workdir, keep=config.keep_checkpoints)
+    state = ckpt.restore_or_init(fresh)
+    step = int(state.step)
+    # The model the last step trained, so that resuming into a new phase enters it.
+    current = method.model_at(step - 1, model_cfg, config) if step else model_cfg
+    return cls(config=config, workdir=workdir, mesh=mesh, data=data_lib.load_tokens(config.data),
+               method=method, base_cfg=model_cfg, model_cfg=current,
+               tx=tx_fn(fresh.params, fresh.sparsity), state=state, ckpt=ckpt,
+               writer=metrics_lib.MetricWriter(workdir), step=step)
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
+  """Trains per `config`, resuming from `workdir` if it holds a checkpoint. Returns finals."""
+  run = Run.create(config, workdir)
+  final_path = os.path.join(workdir, "final_metrics.json")
+  if run.step >= run.total and os.path.exists(final_path):
+    logging.info("%s already trained to step %d; nothing to do", workdir, run.step)
+    run.ckpt.close()
+    with open(final_path, encoding="utf-8") as f:
+      return json.load(f)
+  _write_config(workdir, config, run.step)
+  hooks = standard_hooks(run)
+
+  from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+  bar = tqdm(total=run.total, initial=run.step, dynamic_ncols=True, mininterval=1.0,
+             disable=jax.process_index() != 0)
+  while run.step < run.total and run.step != config.stop_at_step:
+    run.set_model(run.step)
+    run.batch = shard_batch(local_batch(run.data.train, config, run.step), run.mesh)
+    hooks_lib.run_hooks(run, hooks, before_step=True)
+    run.state, metrics = train.train_step(run.state, run.batch, model=run.model, tx=run.tx)
+    run.pending.append(metrics)
+    run.step += 1
+    hooks_lib.run_hooks(run, hooks, before_step=False)
+    bar.set_postfix(run.postfix, refresh=False)
+    bar.update(1)
+  bar.close()
+  run.ckpt.close()
+  run.writer.close()
+  if run.step == config.stop_at_step:
+    logging.warning("stop_at_step=%d reached: leaving without a final checkpoint", run.step)
+    return run.final
+  with open(final_path, "w", encoding="utf-8") as f:
+    json.dump({k: float(v) for k, v in run.final.items() if v is not None}, f, indent=2)
+  return run.final
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop's own chores.
+
+
+def standard_hooks(run: Run) -> list[hooks_lib.Hook]:
+  """Log, then the method's and the statistics' hooks, eval, checkpoint, the end of the run."""
+  config = run.config
+  flops = flops_lib.planned(config, upto=run.step)   # resumed runs continue the count
+  _, shapes, masked = flops_lib.model_shapes(config)
+  fpt = flops_lib.dense_flops_per_token(run.model_cfg, shapes)
+  peak = config.peak_flops or metrics_lib.device_peak_flops()
+  lr_fn = jax.jit(schedules.learning_rate(config.optim, config.total_steps))
+  unigram = data_lib.unigram_entropy(run.data.train)
+  run.final["data/unigram_entropy"] = unigram
+  if run.step == 0:
+    run.write(0, {"data/unigram_entropy": unigram, "model/params": model_lib.num_params(
+        run.state.params), "model/sparse_weights": state_lib.num_sparse_weights(
+            run.state.params, run.state.sparsity)})
+  logging.info("%s: params %.2fM, unigram entropy %.3f nats, %d devices, resume at step %d",
+               run.model_cfg.describe(), model_lib.num_params(run.state.params) / 1e6,
+               unigram, jax.device_count(), run.step)
+  val_batches = data_lib.eval_batches(run.data.val, batch_size=config.batch_size,
+                                      seq_len=config.model.seq_len,
+                                      num_batches=config.eval_batches)
+
+  def count_flops(run):
+    flops.add_step(run.model_cfg, run.step, masked, config)
+
+  def log(run):
+    pending, run.pending = jax.device_get(run.pending), []   # waits for the steps
+    scalars = summarise(pending, run.clock.lap(), fpt, peak)
+    scalars["train/lr"] = float(lr_fn(run.step - 1))
+    scalars["train/dense_phase"] = float(run.method.sparse
+                                         and not run.model_cfg.sparsity.method.sparse)
+    scalars.update(flops.scalars())
+    run.write(run.step, scalars)
+    run.last_log = scalars
+    run.postfix.update(loss=f"{scalars['train/loss']:.3f}",
+                       tok_s=f"{scalars['perf/tokens_per_sec']:.0f}")
+    if "train/flip_rate" in scalars:
+      run.postfix["flip"] = f"{scalars['train/flip_rate']:.2e}"
+
+  def evaluate_(run):
+    loss = evaluate(run.state.params, run.state.sparsity, run.model, val_batches, run.mesh)
+    run.write(run.step, {"val/loss": loss})
+    run.postfix["val"] = f"{loss:.3f}"
+
+  def checkpoint(run):
+    run.ckpt.save(run.step, run.state, force=True)   # async write; the device->host copy blocks
+
+  def finish(run):
+    metrics_lib.plot(run.writer.jsonl_path, os.path.join(run.workdir, "metrics.png"),
+                     title=run.base_cfg.describe())
+    run.final.update(flops_lib.summary(flops))
+    run.final["step"] = run.step
+
+  Hook = hooks_lib.Hook   # pylint: disable=invalid-name
+  return [
+      Hook(count_flops, every=1, before_step=True, training=True, name="FLOPs"),
+      *model_lib.stats_hooks(config),
+      Hook(log, every=config.log_every, training=True, name="log"),
+      *run.method.hooks(config),
+      Hook(evaluate_, every=config.eval_every, name="eval"),
+      Hook(checkpoint, every=config.checkpoint_every, name="checkpoint"),
+      Hook(finish, due=lambda step: step == run.total, name="plot and finals"),
+  ]
+
+
+def summarise(pending: list[dict], seconds: float, flops_per_token: float,
+              peak: float | None) -> dict[str, float]:
+  """Host-side reduction of the fetched metrics of one log interval: the mean loss per token,
+  the mean of every other metric over the steps that measured it (NaN = no measurement),
+  except method state ('sparsity/...'), which is its latest value."""
+  out = {"train/loss": float(sum(m["loss"] for m in pending) / sum(m["count"] for m in pending))}
+  for k in pending[-1]:
+    if k in ("loss", "count"):
+      continue
+    if k.startswith("sparsity/"):
+      out[f"train/{k}"] = float(pending[-1][k])
+      continue
+    values = np.asarray([m[k] for m in pending], np.float64)
+    if not np.isnan(values).all():
+      out[f"train/{k}"] = float(np.nanmean(values))
+  tokens = sum(m["count"] for m in pending)
+  out["perf/tokens_per_sec"] = float(tokens / seconds)
+  out["perf/mfu"] = metrics_lib.mfu(out["perf/tokens_per_sec"], flops_per_token, peak,
+                                    jax.device_count())
+  return out
+
+
 def _write_config(workdir: str, config: ml_collections.ConfigDict, step: int) -> None:
   """Saves the resolved config; never overwrites the one the run started with."""
   path = os.path.join(workdir, "config.json")
@@ -97,187 +271,3 @@ def _write_config(workdir: str, config: ml_collections.ConfigDict, step: int) ->
     path = os.path.join(workdir, f"config.resumed_at_{step}.json")
   with open(path, "w", encoding="utf-8") as f:
     f.write(config.to_json_best_effort(indent=2, sort_keys=True))
-
-
-def _summarise(metric_list: list[dict], elapsed: float, tokens: int, fpt: float,
-               peak: float | None) -> dict[str, float]:
-  """Host-side reduction of the (fetched) metrics of the last log interval."""
-  host = metric_list
-  out = {"train/loss": float(sum(m["loss"] for m in host) / sum(m["count"] for m in host)),
-         "train/grad_norm": float(np.mean([m["grad_norm"] for m in host]))}
-  for k in host[-1]:
-    if k.startswith("flip_rate") or k == "transposable_kept_ratio":
-      # NaN = no measurement at that step (cached masks measure only at refreshes).
-      values = np.asarray([m[k] for m in host], np.float64)
-      if not np.isnan(values).all():
-        out[f"train/{k}"] = float(np.nanmean(values))
-    elif k.startswith("sparsity/"):   # projection state (S-STE scale): its latest value
-      out[f"train/{k}"] = float(host[-1][k])
-  tps = tokens / max(elapsed, 1e-9)
-  out["perf/tokens_per_sec"] = tps
-  out["perf/mfu"] = metrics_lib.mfu(tps, fpt, peak, jax.device_count())
-  return out
-
-
-def _act_title(config) -> str:
-  """' + venom act 64:2:8' (V:N:M) when the FFN activations are sparse (act_sparsity.py)."""
-  sp = config.sparsity
-  if sp.act_sparsity == "none":
-    return ""
-  return f" + {sp.act_sparsity} act {sp.act_v}:{sp.act_n}:{sp.act_m}"
-
-
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
-  """Trains per `config`, resuming from `workdir` if it holds a checkpoint. Returns finals."""
-  os.makedirs(workdir, exist_ok=True)
-  mesh = make_mesh()
-  if config.batch_size % jax.device_count():
-    raise ValueError(f"batch_size={config.batch_size} is not divisible by the "
-                     f"{jax.device_count()} devices")
-  data = data_lib.load_tokens(config.data)
-  val_batches = data_lib.eval_batches(data.val, batch_size=config.batch_size,
-                                      seq_len=config.model.seq_len,
-                                      num_batches=config.eval_batches)
-  unigram = data_lib.unigram_entropy(data.train)
-
-  model, dense_model, tx_fn = build(config)
-  replicated = NamedSharding(mesh, P())
-  fresh = jax.jit(lambda: train.init_state(model, tx_fn, config.seed),
-                  out_shardings=replicated)()
-  tx = tx_fn(fresh.params, fresh.sparsity)
-  ckpt = ckpt_lib.Checkpointer(workdir, keep=config.keep_checkpoints)
-  state = ckpt.restore_or_init(fresh)
-  del fresh
-  start = int(state.step)
-  total = config.total_steps
-  final_path = os.path.join(workdir, "final_metrics.json")
-  if start >= total and os.path.exists(final_path):
-    logging.info("%s already trained to step %d >= total_steps=%d; nothing to do",
-                 workdir, start, total)
-    ckpt.close()
-    with open(final_path, encoding="utf-8") as f:
-      return json.load(f)
-  _write_config(workdir, config, start)
-
-  dense_from = schedules.dense_finetune_start(total, config.sparsity.dense_finetune_fraction)
-  n_params = num_params(state.params)
-  fpt = flops_per_token(model.config, n_params)
-  peak = config.peak_flops or metrics_lib.device_peak_flops()
-  tokens_per_step = config.batch_size * config.model.seq_len
-  lr_fn = jax.jit(schedules.learning_rate(config.optim, total))   # one compile, not one per op
-  writer = metrics_lib.MetricWriter(workdir)
-  if start == 0:
-    writer.write(0, {"data/unigram_entropy": unigram, "model/params": n_params,
-                     "model/sparse_weights": state_lib.num_sparse_weights(state.params,
-                                                                          state.sparsity)})
-  logging.info("params %.2fM, unigram entropy %.3f nats, %d devices, resume at step %d",
-               n_params / 1e6, unigram, jax.device_count(), start)
-  # MST (s24jax/mst.py): topology updates between steps, per-step attention pattern; and the
-  # training FLOP count of every run (s24jax/flops.py), restarted from the plan on resume.
-  models_at = attention_twins(config, model, dense_model)
-  mst_ctl = mst.Controller(config, state) if mst.enabled(config) else None
-  nnz = mst_ctl.active_counts(state) if mst_ctl else {}
-  flop_acct = flops_lib.planned(config, upto=start)
-
-  sparsity_cfg = model.config.sparsity
-  flip_warn = flip_monitor.FlipRateMonitor(sparsity_cfg.flip_rate_warn,
-                                           sparsity_cfg.flip_rate_warn_patience)
-  # lambda_W chosen during warm-up (s24jax/decay_control.py): logged when it is frozen.
-  decay_frozen_at = (sparsity_cfg.decay_auto_steps if decay_control.enabled(sparsity_cfg)
-                     else -1)
-
-  from tqdm import tqdm  # pylint: disable=g-import-not-at-top
-  bar = tqdm(total=total, initial=start, dynamic_ncols=True, disable=jax.process_index() != 0,
-             mininterval=1.0)
-  postfix: dict[str, str] = {}
-  pending: list[dict] = []
-  t_last, step_last = time.time(), start
-  final: dict[str, float] = {}
-  last_val = None
-  step = start
-  while step < total:
-    if step == config.stop_at_step:
-      logging.warning("stop_at_step=%d reached: leaving without a final checkpoint", step)
-      break
-    dense = step >= dense_from
-    model, dense_model = models_at(step)
-    if dense and step == dense_from and not projections.get_projection(
-        config.sparsity.projection).is_dense:
-      state = state.replace(params=train.project_params(model, state.params, state.sparsity))
-      logging.info("step %d: switching to dense fine-tuning", step)
-    batch = shard_batch(_local_batch(data.train, config, step), mesh)
-    if config.act_stats_sequences and ((step + 1) % config.log_every == 0 or step + 1 == total):
-      # The activations this step trains on (params before the update), one extra forward;
-      # its time is not charged to tokens/s (synchronised on both sides, log steps only).
-      jax.block_until_ready(state.params)
-      t_stats = time.time()
-      act_stats = jax.block_until_ready(act_sparsity.activation_stats(
-          state.params, state.sparsity, batch["inputs"], model=dense_model if dense else model,
-          num_sequences=min(config.act_stats_sequences, config.batch_size)))
-      t_last += time.time() - t_stats
-    updated = mst_ctl is not None and not dense and mst_ctl.due(step)
-    if updated:
-      state, mst_scalars = mst_ctl.update(state, batch, step, model=model)
-      writer.write(step, mst_scalars)
-      nnz = mst_ctl.targets(step)   # == the active counts (Controller.update checks)
-    flop_acct.add({} if dense else nnz, model.config.attention, topology_update=updated)
-    state, m = train.train_step(state, batch, model=dense_model if dense else model, tx=tx)
-    pending.append(m)
-    step += 1
-    if step == decay_frozen_at:
-      chosen = float(state.sparsity[decay_control.KEY]["decay"])
-      logging.info("step %d: end of the lambda_W warm-up controller; lambda_W frozen at %.4g",
-                   step, chosen)
-      writer.write(step, {"sparsity/decay_chosen": chosen})
-      final["sparsity/decay_chosen"] = chosen
-
-    if step % config.log_every == 0 or step == total:
-      pending = jax.device_get(pending)   # wait for the steps before reading the clock
-      now = time.time()
-      scalars = _summarise(pending, now - t_last, (step - step_last) * tokens_per_step,
-                           fpt, peak)
-      scalars["train/lr"] = float(lr_fn(step - 1))
-      scalars["train/dense_phase"] = float(dense)
-      if not dense and not projections.get_projection(config.sparsity.projection).is_dense:
-        scalars["train/flip_rate_warning"] = flip_warn.update(step,
-                                                              scalars.get("train/flip_rate"))
-      scalars.update(flop_acct.scalars())
-      if config.act_stats_sequences:
-        scalars.update({k: float(v) for k, v in jax.device_get(act_stats).items()})
-      pending, t_last, step_last = [], now, step
-      writer.write(step, scalars)
-      final.update(scalars)
-      postfix.update(loss=f"{scalars['train/loss']:.3f}",
-                     tok_s=f"{scalars['perf/tokens_per_sec']:.0f}")
-      if "train/flip_rate" in scalars:
-        postfix["flip"] = f"{scalars['train/flip_rate']:.2e}"
-    if step % config.eval_every == 0 or step == total:
-      last_val = evaluate(state.params, state.sparsity, dense_model if dense else model,
-                          val_batches, mesh)
-      writer.write(step, {"val/loss": last_val})
-      final["val/loss"] = last_val
-      postfix["val"] = f"{last_val:.3f}"
-      t_last = time.time()  # do not charge eval time to tokens/s (eval blocks on the state)
-    if step % config.checkpoint_every == 0 or step == total:
-      t_save = time.time()
-      ckpt.save(step, state, force=True)   # async write; the device->host copy blocks
-      t_last += time.time() - t_save
-    bar.set_postfix(postfix, refresh=False)
-    bar.update(1)
-  bar.close()
-  ckpt.close()
-  writer.close()
-  metrics_lib.plot(writer.jsonl_path, os.path.join(workdir, "metrics.png"),
-                   title=f"{config.sparsity.projection}{_act_title(config)} | "
-                         f"{model.config.num_layers}L {model.config.d_model}d")
-  final.update(flops_lib.summary(flop_acct))
-  if mst_ctl is not None:
-    records = metrics_lib.read_jsonl(writer.jsonl_path)
-    steps_, sparsity_ = metrics_lib.series(records, "mst/sparsity")
-    mst.plot_schedule(config, os.path.join(workdir, "mst_schedule.png"),
-                      measured={"step": steps_, "sparsity": sparsity_})
-  final["data/unigram_entropy"] = unigram
-  final["step"] = step
-  with open(final_path, "w", encoding="utf-8") as f:
-    json.dump({k: float(v) for k, v in final.items() if v is not None}, f, indent=2)
-  return final

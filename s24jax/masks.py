@@ -24,7 +24,7 @@ import numpy as np
 # ----------------------------------------------------------------------------------------
 
 
-def _check_groupable(x: jax.Array, m: int, what: str = "last axis") -> None:
+def check_groupable(x: jax.Array, m: int, what: str = "last axis") -> None:
   """Raises a ValueError that names the offending dimension when it is not a multiple of m."""
   if x.ndim < 1 or x.shape[-1] % m:
     raise ValueError(
@@ -61,7 +61,7 @@ def nm_mask(w: jax.Array, n: int = 2, m: int = 4) -> jax.Array:
   """
   if not 0 <= n <= m:
     raise ValueError(f"nm_mask needs 0 <= n <= m; got n={n}, m={m}.")
-  _check_groupable(w, m)
+  check_groupable(w, m)
   g = jnp.abs(w).reshape(*w.shape[:-1], w.shape[-1] // m, m)   # (..., K/m, m)
   return (_rank_desc(g) < n).reshape(w.shape)                    # (..., K)
 
@@ -171,7 +171,7 @@ _TINY = float(np.finfo(np.float32).tiny)
 
 def _mvue24_weights(x: jax.Array) -> jax.Array:
   """a_i = |x_i| + eps per group of four, float32, shape (..., K/4, 4)."""
-  _check_groupable(x, 4)
+  check_groupable(x, 4)
   g = jnp.abs(x.astype(jnp.float32)).reshape(*x.shape[:-1], x.shape[-1] // 4, 4)  # (..., K/4, 4)
   eps = MVUE_REL_EPS * jnp.max(g, axis=-1, keepdims=True) + _TINY  # (..., K/4, 1)
   return g + eps                                                  # (..., K/4, 4)

@@ -1,4 +1,4 @@
-"""GPT-2 in flax.linen: pre-LN blocks, learned positions, tied embeddings.
+"""GPT-2 in flax.linen: pre-LN blocks, learned positions, tied embeddings; its frozen config.
 
 All linear layers are `SparseLinear`; the FFN's are 2:4 sparse by default
 (`SparsityConfig.sparse_layers`). Parameters are float32; `ModelConfig.dtype` is the
@@ -6,17 +6,82 @@ compute dtype.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import ml_collections
 
 from s24jax import act_sparsity
 from s24jax import activations
 from s24jax import attention_masks
-from s24jax.config import ModelConfig
-from s24jax.sparse_linear import SparseLinear
+from s24jax import methods
+from s24jax.act_sparsity import ActSparsityConfig
+from s24jax.sparse_linear import SparseLinear, SparsityConfig
+
+ACTIVATIONS = ("gelu", "relu", "relu2", "geglu", "swiglu")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """GPT-2 hyper-parameters and what is sparse (frozen: the model closes over it)."""
+  vocab_size: int = 50304     # GPT-2's 50257 padded to a multiple of 64
+  seq_len: int = 1024
+  num_layers: int = 12
+  num_heads: int = 12
+  d_model: int = 768
+  mlp_ratio: float = 4.0
+  activation: str = "gelu"
+  dtype: str = "float32"      # compute dtype; parameters stay float32
+  # Attention pattern (s24jax/attention_masks.py): 'causal' (dense), or MST's Hybrid Sparse
+  # Attention patterns 'strided' / 'local_strided' with stride (and local window) l.
+  attention: str = "causal"
+  attention_stride: int = 128
+  sparsity: SparsityConfig = SparsityConfig()
+  act: ActSparsityConfig = ActSparsityConfig()
+
+  @property
+  def mlp_hidden(self) -> int:
+    return int(self.mlp_ratio * self.d_model)
+
+  def __post_init__(self):
+    if self.activation not in ACTIVATIONS:
+      raise ValueError(f"unknown model.activation {self.activation!r}; valid: "
+                       f"{', '.join(ACTIVATIONS)}")
+    if self.act.enabled and self.mlp_hidden % self.act.m:
+      raise ValueError(f"V:N:M activation sparsity needs the FFN hidden dimension "
+                       f"(model.mlp_ratio * model.d_model = {self.mlp_hidden}) to be a multiple "
+                       f"of act_sparsity.m={self.act.m}")
+    if self.d_model % self.num_heads:
+      raise ValueError(f"model.d_model={self.d_model} is not divisible by "
+                       f"model.num_heads={self.num_heads}")
+    attention_masks.check_pattern(self.attention, self.attention_stride)
+
+  def dense_twin(self) -> "ModelConfig":
+    """The same model dense everywhere: weights and (Haziza et al.) activations."""
+    return dataclasses.replace(
+        self, sparsity=dataclasses.replace(self.sparsity, method=methods.get_method("dense")),
+        act=ActSparsityConfig())
+
+  def describe(self) -> str:
+    """'s_ste + venom act 64:2:8 | 2L 128d', for plot titles."""
+    act = f" + {self.act.describe()}" if self.act.enabled else ""
+    return f"{self.sparsity.method.name}{act} | {self.num_layers}L {self.d_model}d"
+
+
+def model_config(config: ml_collections.ConfigDict,
+                 method: methods.Method | None = None) -> ModelConfig:
+  """The frozen model config of a run config; `method` defaults to methods.from_config."""
+  sp = config.sparsity
+  sparsity = SparsityConfig(method=method or methods.from_config(config),
+                            sparse_layers=tuple(sp.sparse_layers), backend=sp.backend,
+                            mvue=sp.mvue, fp8=sp.fp8)
+  act = {k: v for k, v in config.act_sparsity.items() if k != "stats_sequences"}
+  return ModelConfig(**{k: (tuple(v) if isinstance(v, list) else v)
+                        for k, v in config.model.items()},
+                     sparsity=sparsity, act=ActSparsityConfig(**act))
 
 
 def compute_dtype(name: str) -> jnp.dtype:
@@ -62,15 +127,14 @@ class MLP(nn.Module):
     gated = cfg.activation in activations.GATED
     h = SparseLinear((2 if gated else 1) * H, cfg.sparsity, dtype=dtype, name="fc")(x)  # (B, T, H|2H)
     h = activations.apply(cfg.activation, h)                                  # (B, T, H)
-    sp = cfg.sparsity
+    act = cfg.act
     mask, matmul = None, None
-    if sp.act_sparsity == "venom":   # Haziza et al.: V:N:M activations into the 2nd matmul
-      h_sparse, mask, meta = act_sparsity.sparsify(h, sp.act_v, sp.act_n, sp.act_m,
-                                                   backend=sp.act_backend)
-      matmul = act_sparsity.act_matmul(meta, sp.act_v, sp.act_backend)
+    if act.enabled:   # Haziza et al.: V:N:M activations into the 2nd matmul
+      h_sparse, mask, meta = act_sparsity.sparsify(h, act.v, act.n, act.m, backend=act.backend)
+      matmul = act_sparsity.act_matmul(meta, act.v, act.backend)
     if self.is_mutable_collection("intermediates") and not self.is_initializing():
       # Only in act_sparsity.activation_stats' forward pass; train/eval steps skip this.
-      stats = act_sparsity.activation_sparsity_stats(h, sp.act_v, sp.act_n, sp.act_m, mask)
+      stats = act_sparsity.activation_sparsity_stats(h, act.v, act.n, act.m, mask)
       for name, value in stats.items():
         self.sow("intermediates", f"act_{name}", value)
     if mask is not None:
@@ -113,13 +177,10 @@ class GPT2(nn.Module):
     return logits.astype(jnp.float32)
 
 
-def num_params(params, *, exclude_embeddings: bool = False) -> int:
-  n = sum(p.size for p in jax.tree.leaves(params))
-  if exclude_embeddings:
-    n -= params["wpe"].size
-  return n
+def num_params(params) -> int:
+  return sum(p.size for p in jax.tree.leaves(params))
 
 
-def flops_per_token(config: ModelConfig, n_params: int) -> float:
-  """Training FLOPs per token, dense (nanoGPT/PaLM): 6N + 12 L T C for attention."""
-  return 6 * n_params + 12 * config.num_layers * config.seq_len * config.d_model
+def stats_hooks(config) -> list:
+  """The loop's measurement hooks for this model (activation statistics, act_sparsity.py)."""
+  return act_sparsity.stats_hooks(config)

@@ -13,6 +13,7 @@ XLA matmul with the autodiff backward.
 """
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 from typing import Any, Callable
 
@@ -20,11 +21,38 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from s24jax import projections
+from s24jax import methods
 from s24jax import sparse_ops
-from s24jax.config import SparsityConfig
 
 BACKENDS = sparse_ops.BACKENDS
+
+
+@dataclasses.dataclass(frozen=True)
+class SparsityConfig:
+  """What the sparse layers do (frozen and hashable: the model closes over it).
+
+  `method` (s24jax/methods/) projects the weights; the other fields configure the three-GEMM
+  op of every sparse layer and compose with any 2:4 method.
+  """
+  method: methods.Method = dataclasses.field(default_factory=lambda: methods.get_method("dense"))
+  # Glob patterns over module paths ('h_3/mlp/fc'); matching linear layers are sparse.
+  sparse_layers: tuple[str, ...] = ("*/mlp/*",)
+  backend: str = "xla"      # the GEMMs: 'xla' (reference), 'pallas', 'pallas_always'
+  mvue: bool = False        # weight gradient from the MVUE 2:4 estimate of dY^T
+  fp8: bool = False         # FP8 GEMMs (s24jax/fp8.py)
+
+  def __post_init__(self):
+    if self.backend not in BACKENDS:
+      raise ValueError(f"unknown sparsity.backend {self.backend!r}; valid: "
+                       f"{', '.join(BACKENDS)}")
+    if self.backend != "xla" and not self.method.structured_24:
+      raise ValueError(f"sparsity.backend={self.backend!r} needs 2:4 weights; method "
+                       f"{self.method.name!r} is unstructured: use sparsity.backend='xla'")
+
+  def is_sparse(self, path: str) -> bool:
+    """Whether the linear layer at `path` ('h_0/mlp/fc') is sparse."""
+    return self.method.sparse and any(fnmatch.fnmatchcase(path, pat)
+                                      for pat in self.sparse_layers)
 
 
 def linear(x: jax.Array, w: jax.Array, *, backend: str = "xla", sparse: bool = False,
@@ -33,8 +61,8 @@ def linear(x: jax.Array, w: jax.Array, *, backend: str = "xla", sparse: bool = F
 
   sparse=True: W is the 2:4 projected weight W~ and all three GEMMs go through
   `sparse_ops.sparse_linear` on `backend` (with the MVUE weight gradient if `mvue`, drawn
-  with `key`; FP8 GEMMs if `fp8`). sparse=False: a dense XLA matmul whatever the backend (sparse kernels cannot
-  run a dense weight).
+  with `key`; FP8 GEMMs if `fp8`). sparse=False: a dense XLA matmul whatever the backend
+  (sparse kernels cannot run a dense weight).
   """
   if backend not in BACKENDS:
     raise ValueError(f"unknown sparsity.backend {backend!r}; valid: {', '.join(BACKENDS)}")
@@ -44,33 +72,22 @@ def linear(x: jax.Array, w: jax.Array, *, backend: str = "xla", sparse: bool = F
                     preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-def is_sparse_path(path: str, sparsity: SparsityConfig) -> bool:
-  """Whether the linear layer at `path` ('h_0/mlp/fc') is sparse under `sparsity`."""
-  if get_projection_for(sparsity).is_dense:
-    return False
-  return any(fnmatch.fnmatchcase(path, pat) for pat in sparsity.sparse_layers)
-
-
-def get_projection_for(sparsity: SparsityConfig) -> projections.Projection:
-  return projections.get_projection(sparsity.projection)
-
-
-def _initial_mask(proj: projections.Projection, kernel: jax.Array, path: str) -> jax.Array:
-  """proj.mask(kernel), with the layer named in a shape error (e.g. a transposable mask
-  needs `out` to be a multiple of 4 as well)."""
+def _init_layer(method: methods.Method, kernel: jax.Array, path: str) -> dict[str, jax.Array]:
+  """method.init_layer(kernel), with the layer named in a shape error (e.g. a transposable
+  mask needs `out` to be a multiple of 4 as well)."""
   try:
-    return proj.mask(kernel)
+    return method.init_layer(kernel)
   except ValueError as e:
     raise ValueError(f"sparse layer {path!r} (kernel {tuple(kernel.shape)} = (out, in)): "
                      f"{e}") from None
 
 
 class SparseLinear(nn.Module):
-  """y = x S(W)^T + b with W (features, in); S the configured projection if sparse.
+  """y = x S(W)^T + b with W (features, in); S the configured method's projection if sparse.
 
-  Sparse layers keep their projection state (e.g. the S-STE scale) and the mask of the
-  last step (for the flip rate) in the 'sparsity' collection, next to 'params', so it is
-  sharded and checkpointed with the rest of the train state.
+  Sparse layers keep their state (e.g. the S-STE scale, the mask of the last step) in the
+  'sparsity' collection, next to 'params', so it is sharded and checkpointed with the rest of
+  the train state.
   """
   features: int
   sparsity: SparsityConfig
@@ -87,28 +104,26 @@ class SparseLinear(nn.Module):
     kernel = self.param("kernel", self.kernel_init, (self.features, in_features))  # (out, in)
     path = "/".join(self.path)
     w = kernel
-    sparse = is_sparse_path(path, self.sparsity)
+    sp = self.sparsity
+    sparse = sp.is_sparse(path)
     if sparse:
       if in_features % 4:
         raise ValueError(f"sparse layer {path!r}: its input dimension (in_features) is "
                          f"{in_features}, not a multiple of 4, so it cannot be 2:4 sparse "
                          "along the contraction axis.")
-      proj = get_projection_for(self.sparsity)
       if self.is_initializing():
-        for name, value in proj.init_state(kernel).items():
+        for name, value in _init_layer(sp.method, kernel, path).items():
           self.variable("sparsity", name, lambda v=value: v)
-        self.variable("sparsity", "mask", lambda: _initial_mask(proj, kernel, path))
-      state = dict(self.variables.get("sparsity", {}))
-      w = proj.apply(kernel, state, self.sparsity)
+      w = sp.method.project(kernel, dict(self.variables.get("sparsity", {})))
     if self.matmul is not None:
       y = self.matmul(x.astype(self.dtype), w)                           # (..., out)
     else:
-      # MVUE's key: per step from train_step's rngs={'mvue': ...}, per layer by make_rng
-      # (which folds in this module's path); None outside training (forward only).
-      key = (self.make_rng("mvue") if sparse and self.sparsity.mvue and self.has_rng("mvue")
+      # Randomness of the sparse op (MVUE): per step from train_step's rngs={'sparsity': ...},
+      # per layer by make_rng (which folds in this module's path); None outside training.
+      key = (self.make_rng("sparsity") if sparse and sp.mvue and self.has_rng("sparsity")
              else None)
-      y = linear(x.astype(self.dtype), w, backend=self.sparsity.backend, sparse=sparse,
-                 key=key, mvue=self.sparsity.mvue, fp8=self.sparsity.fp8)  # (..., out)
+      y = linear(x.astype(self.dtype), w, backend=sp.backend, sparse=sparse,
+                 key=key, mvue=sp.mvue, fp8=sp.fp8)                      # (..., out)
     if self.use_bias:
       y = y + self.param("bias", nn.initializers.zeros, (self.features,)).astype(self.dtype)
     return y

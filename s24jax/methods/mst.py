@@ -38,9 +38,11 @@ checkpoint makes exactly the updates an uninterrupted one makes.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
-from typing import Any, Mapping, Sequence
+import os
+from typing import Any, ClassVar, Mapping, Sequence
 
 import flax
 import jax
@@ -48,9 +50,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from s24jax import attention_masks
-from s24jax import projections
+from s24jax import hooks as hooks_lib
+from s24jax import losses
+from s24jax import metrics as metrics_lib
 from s24jax import state as state_lib
-from s24jax import train
+from s24jax.methods import base
 from s24jax.state import TrainState
 
 DISTRIBUTIONS = ("erdos_renyi", "uniform")
@@ -58,42 +62,6 @@ PHASES = ("warm-up", "ultra-sparsification", "restoration")
 _RNG_TAG = 0x6D7374   # 'mst': decorrelates the growth rng from other uses of the step rng
 
 Path = tuple[str, ...]
-
-
-def enabled(config) -> bool:
-  """Whether `config` trains with a state-held (dynamic) mask, i.e. runs topology updates."""
-  return projections.get_projection(config.sparsity.projection).mask_in_state
-
-
-def check_config(config) -> None:
-  """Validates `config.mst`; errors name the field and the valid values."""
-  m = config.mst
-  if enabled(config) and config.sparsity.backend != "xla":
-    # Fast backends assume 2:4 weights; MST's masks are unstructured.
-    raise ValueError(f"sparsity.projection={config.sparsity.projection!r} (unstructured masks) "
-                     f"needs sparsity.backend='xla', got {config.sparsity.backend!r}")
-  if int(m.update_every) < 1:
-    raise ValueError(f"mst.update_every must be >= 1, got {m.update_every}")
-  if m.distribution not in DISTRIBUTIONS:
-    raise ValueError(f"unknown mst.distribution {m.distribution!r}; valid: "
-                     f"{', '.join(DISTRIBUTIONS)}")
-  if not 0.0 <= m.drop_fraction <= 1.0:
-    raise ValueError(f"mst.drop_fraction (zeta) must be in [0, 1], got {m.drop_fraction}")
-  if m.grow_ratio < 0:
-    raise ValueError(f"mst.grow_ratio (r) must be >= 0, got {m.grow_ratio}")
-  for name in ("initial_sparsity", "target_sparsity", "ultra_sparsity", "final_sparsity"):
-    if not 0.0 <= m[name] <= 1.0:
-      raise ValueError(f"mst.{name} must be in [0, 1], got {m[name]}")
-  fr = tuple(m.phase_fractions)
-  if len(fr) != 3 or min(fr) < 0 or abs(sum(fr) - 1.0) > 1e-6:
-    raise ValueError("mst.phase_fractions must be 3 non-negative fractions "
-                     f"({', '.join(PHASES)}) summing to 1, got {fr}")
-  if not 0.0 <= m.ramp_fraction <= 1.0:
-    raise ValueError(f"mst.ramp_fraction must be in [0, 1], got {m.ramp_fraction}")
-  attention_masks.check_pattern(m.sparse_attention, config.model.attention_stride)
-  if not 0.0 <= m.sparse_attention_start <= m.sparse_attention_end <= 1.0:
-    raise ValueError("need 0 <= mst.sparse_attention_start <= mst.sparse_attention_end <= 1, "
-                     f"got {m.sparse_attention_start}, {m.sparse_attention_end}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -154,19 +122,19 @@ def grow_gradient_share(mst_cfg) -> float:
   return 1.0 if math.isinf(r) else r / (r + 1.0)
 
 
-def attention_window(config) -> tuple[int, int]:
+def attention_window(mst_cfg, total_steps: int) -> tuple[int, int]:
   """[start, end) steps of the sparse-attention window (empty if it is 'causal')."""
-  m, total = config.mst, config.total_steps
+  m, total = mst_cfg, total_steps
   if m.sparse_attention == "causal":
     return (0, 0)
   return (int(round(m.sparse_attention_start * total)), int(round(m.sparse_attention_end * total)))
 
 
-def attention_at(config, step: int) -> str:
-  """The attention pattern of `step`: mst.sparse_attention inside the window, else
-  model.attention (Hybrid Sparse Attention)."""
-  start, end = attention_window(config)
-  return config.mst.sparse_attention if start <= step < end else config.model.attention
+def attention_at(mst_cfg, step: int, total_steps: int, outside: str) -> str:
+  """The attention pattern of `step`: sparse_attention inside the window, else `outside`
+  (model.attention): Hybrid Sparse Attention."""
+  start, end = attention_window(mst_cfg, total_steps)
+  return mst_cfg.sparse_attention if start <= step < end else outside
 
 
 # ---------------------------------------------------------------------------------------------
@@ -302,14 +270,14 @@ def reset_params_shaped(tree: Any, params: Any, reset: Any) -> Any:
   return jax.tree.map(one, tree, is_leaf=is_params)
 
 
-def dense_gradients(state: TrainState, batch: train.Batch, model) -> Any:
+def dense_gradients(state: TrainState, batch, model) -> Any:
   """dL/dW of the mean loss on `batch`; through the 'mst' projection the sparse kernels' gradient
   is the dense dL/dW~ (also at the pruned entries)."""
 
   def loss_fn(params):
     variables = {"params": params, "sparsity": state.sparsity}
     logits = model.apply(variables, batch["inputs"])                          # (B, T, V)
-    return train.cross_entropy_sum(logits, batch["targets"]) / batch["targets"].size
+    return losses.cross_entropy_sum(logits, batch["targets"]) / batch["targets"].size
 
   return jax.grad(loss_fn)(state.params)
 
@@ -319,7 +287,7 @@ def update_rng(state: TrainState) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("state",))
-def topology_update(state: TrainState, batch: train.Batch, targets: Mapping[str, jax.Array],
+def topology_update(state: TrainState, batch, targets: Mapping[str, jax.Array],
                     drop_frac: jax.Array, grad_share: jax.Array, *,
                     model) -> tuple[TrainState, dict[str, jax.Array]]:
   """One MST drop-and-grow of every masked layer (see the module docstring).
@@ -362,43 +330,164 @@ def topology_update(state: TrainState, batch: train.Batch, targets: Mapping[str,
 
 
 # ---------------------------------------------------------------------------------------------
-# The loop's side: when to update and with which targets.
+# The projection: mask from the state, dense gradient.
 
 
-class Controller:
-  """Host-side MST driver for the training loop (no jitted code of its own).
+@jax.custom_vjp
+def masked_dense_grad(w: jax.Array, mask: jax.Array) -> jax.Array:
+  """Forward W~ = mask * W (any unstructured bool mask); backward dL/dW := dL/dW~, dense.
 
-      ctl = mst.Controller(config, state)
-      if ctl.due(step): state, scalars = ctl.update(state, batch, step, model=step_model)
+  The dense gradient reaches the pruned entries too: MST grows connections where |dL/dW~|
+  is largest. `MST.gradients` then keeps only the active entries' gradients for the
+  optimizer (so pruned weights stay exactly 0 under Adam); the topology update reads the
+  dense one.
   """
+  return jnp.where(mask, w, 0)
 
-  def __init__(self, config, state: TrainState):
-    check_config(config)
-    self.config = config
-    self.shapes = kernel_shapes(state.params, state.sparsity)
-    if not self.shapes:
-      raise ValueError(f"sparsity.projection={config.sparsity.projection!r} but no linear layer "
-                       f"matches sparsity.sparse_layers={tuple(config.sparsity.sparse_layers)}")
 
-  def due(self, step: int) -> bool:
-    return step % int(self.config.mst.update_every) == 0
+def _masked_dense_grad_fwd(w, mask):
+  return masked_dense_grad(w, mask), None
 
-  def targets(self, step: int) -> dict[str, int]:
+
+def _masked_dense_grad_bwd(_, g):
+  return g, None   # the mask is a bool input: no cotangent
+
+
+masked_dense_grad.defvjp(_masked_dense_grad_fwd, _masked_dense_grad_bwd)
+
+
+# ---------------------------------------------------------------------------------------------
+# The method.
+
+
+@dataclasses.dataclass(frozen=True)
+class MST(base.Method):
+  """Its fields are the config block `config.sparsity.mst` (docs/algorithms.md, MST)."""
+  structured_24: ClassVar[bool] = False   # unstructured masks: the 'xla' backend only
+  update_every: int = 100         # Delta: steps between topology updates
+  drop_fraction: float = 0.3      # zeta: drop fraction, cosine-annealed zeta/2 (1 + cos(pi t/T))
+  anneal_per_phase: bool = False  # restart the cosine in every sparsity phase (piecewise)
+  grow_ratio: float = 3.0         # r: a share r/(r+1) of regrowth by |gradient|, the rest random
+  distribution: str = "erdos_renyi"  # layer densities: 'erdos_renyi' or 'uniform'
+  # Sparsity Variation: three phases (fractions of total_steps); in each phase the target
+  # sparsity moves by a cosine ramp over the first `ramp_fraction` of the phase to the phase's
+  # level, then holds it: warm-up -> target, ultra-sparsification -> ultra, restoration -> final.
+  initial_sparsity: float = 0.0   # dense start
+  target_sparsity: float = 0.8
+  ultra_sparsity: float = 0.9
+  final_sparsity: float = 0.7     # restoration: back toward dense
+  phase_fractions: tuple[float, ...] = (0.25, 0.5, 0.25)
+  ramp_fraction: float = 0.5
+  # Hybrid Sparse Attention: this pattern during [start, end) (fractions of total_steps),
+  # model.attention outside; 'causal' turns it off.
+  sparse_attention: str = "causal"
+  sparse_attention_start: float = 0.25
+  sparse_attention_end: float = 0.75
+
+  def __post_init__(self):
+    base.check_positive_int("sparsity.mst.update_every", self.update_every)
+    if self.distribution not in DISTRIBUTIONS:
+      raise ValueError(f"unknown sparsity.mst.distribution {self.distribution!r}; valid: "
+                       f"{', '.join(DISTRIBUTIONS)}")
+    if not 0.0 <= self.drop_fraction <= 1.0:
+      raise ValueError(f"sparsity.mst.drop_fraction (zeta) must be in [0, 1], got "
+                       f"{self.drop_fraction}")
+    if self.grow_ratio < 0:
+      raise ValueError(f"sparsity.mst.grow_ratio (r) must be >= 0, got {self.grow_ratio}")
+    for name in ("initial_sparsity", "target_sparsity", "ultra_sparsity", "final_sparsity"):
+      if not 0.0 <= getattr(self, name) <= 1.0:
+        raise ValueError(f"sparsity.mst.{name} must be in [0, 1], got {getattr(self, name)}")
+    fr = tuple(self.phase_fractions)
+    if len(fr) != 3 or min(fr) < 0 or abs(sum(fr) - 1.0) > 1e-6:
+      raise ValueError("sparsity.mst.phase_fractions must be 3 non-negative fractions "
+                       f"({', '.join(PHASES)}) summing to 1, got {fr}")
+    if not 0.0 <= self.ramp_fraction <= 1.0:
+      raise ValueError(f"sparsity.mst.ramp_fraction must be in [0, 1], got {self.ramp_fraction}")
+    if not 0.0 <= self.sparse_attention_start <= self.sparse_attention_end <= 1.0:
+      raise ValueError("need 0 <= sparsity.mst.sparse_attention_start <= "
+                       "sparse_attention_end <= 1, got "
+                       f"{self.sparse_attention_start}, {self.sparse_attention_end}")
+
+  def configure(self, config):
+    if config.sparsity.backend != "xla":   # fast backends assume 2:4; these masks are not
+      raise ValueError(f"sparsity.projection={self.name!r} (unstructured masks) needs "
+                       f"sparsity.backend='xla', got {config.sparsity.backend!r}")
+    attention_masks.check_pattern(self.sparse_attention, config.model.attention_stride)
+    return self
+
+  # -- the step: mask in the state, dense gradient, pruned weights stay 0 ----------------------
+
+  def init_layer(self, kernel):
+    # Training starts dense (the warm-up phase prunes from there).
+    return {"mask": jnp.ones(kernel.shape, bool)}
+
+  def mask(self, kernel, layer):
+    return layer["mask"] if "mask" in layer else jnp.ones(kernel.shape, bool)
+
+  def project(self, kernel, layer):
+    return masked_dense_grad(kernel, layer["mask"])
+
+  def gradients(self, grads, sparsity):
+    # Only active weights learn; the dense gradient reaches pruned ones only in the update.
+    return state_lib.mask_sparse_kernels(grads, sparsity)
+
+  def after_update(self, params, sparsity, step):
+    del step   # the mask changes only in topology updates (between steps)
+    return state_lib.mask_sparse_kernels(params, sparsity), sparsity, {}
+
+  # -- the loop: topology updates, attention windows, FLOPs ------------------------------------
+
+  def model_at(self, step, model_cfg, config):
+    model_cfg = super().model_at(step, model_cfg, config)
+    pattern = attention_at(self, step, config.total_steps, config.model.attention)
+    return dataclasses.replace(model_cfg, attention=pattern)
+
+  def update_due(self, step: int) -> bool:
+    return step % int(self.update_every) == 0
+
+  def targets(self, shapes, step: int, total_steps: int) -> dict[str, int]:
     """Active-weight count per layer name after the update at `step`."""
-    m = self.config.mst
-    counts = target_counts(self.shapes, target_sparsity(m, step, self.config.total_steps),
-                           m.distribution)
-    return {state_lib.layer_name(p): n for p, n in counts.items()}
+    counts = target_counts(shapes, target_sparsity(self, step, total_steps), self.distribution)
+    return {state_lib.layer_name(p) if isinstance(p, tuple) else p: n
+            for p, n in counts.items()}
 
-  def update(self, state: TrainState, batch: train.Batch, step: int, *,
+  def flop_profile(self, step, shapes, config):
+    if not self.update_due(step):
+      return None, False
+    return self.targets(shapes, step, config.total_steps), True
+
+  def hooks(self, config):
+    total = config.total_steps
+
+    def update(run):
+      if run.model_cfg.sparsity.method != self:   # dense fine-tuning: no more updates
+        return
+      run.state, scalars = self.update(run.state, run.batch, run.step, total, model=run.model)
+      run.write(run.step, scalars)
+
+    def plot(run):
+      records = metrics_lib.read_jsonl(run.writer.jsonl_path)
+      steps, sparsity = metrics_lib.series(records, "mst/sparsity")
+      plot_schedule(self, config, os.path.join(run.workdir, "mst_schedule.png"),
+                    measured={"step": steps, "sparsity": sparsity})
+
+    return [*super().hooks(config),
+            hooks_lib.Hook(update, before_step=True, training=True, due=self.update_due,
+                           name="MST topology update"),
+            hooks_lib.Hook(plot, due=lambda step: step == total, name="MST schedule plot")]
+
+  def update(self, state: TrainState, batch, step: int, total_steps: int, *,
              model) -> tuple[TrainState, dict[str, float]]:
-    """Runs the update of `step`; returns the new state and host scalars for the log."""
-    m, total = self.config.mst, self.config.total_steps
-    targets = self.targets(step)
-    zeta = drop_fraction(m, step, total)
+    """Runs the topology update of `step`; returns the new state and host scalars."""
+    shapes = kernel_shapes(state.params, state.sparsity)
+    if not shapes:
+      raise ValueError(f"sparsity.projection={self.name!r} but no linear layer matches "
+                       "sparsity.sparse_layers")
+    targets = self.targets(shapes, step, total_steps)
+    zeta = drop_fraction(self, step, total_steps)
     state, metrics = topology_update(
         state, batch, {k: jnp.asarray(v, jnp.int32) for k, v in targets.items()},
-        jnp.asarray(zeta, jnp.float32), jnp.asarray(grow_gradient_share(m), jnp.float32),
+        jnp.asarray(zeta, jnp.float32), jnp.asarray(grow_gradient_share(self), jnp.float32),
         model=model)
     host = jax.device_get(metrics)
     active = {k[len("mst/active/"):]: int(v) for k, v in host.items()
@@ -406,60 +495,54 @@ class Controller:
     if active != targets:   # cannot happen unless the update is broken: fail loudly
       raise AssertionError(f"MST update at step {step}: active counts {active} != targets "
                            f"{targets}")
-    size = sum(o * i for o, i in self.shapes.values())
+    size = sum(o * i for o, i in shapes.values())
     scalars = {k: float(v) for k, v in host.items() if not k.startswith("mst/active/")}
-    scalars.update({"mst/target_sparsity": target_sparsity(m, step, total),
+    scalars.update({"mst/target_sparsity": target_sparsity(self, step, total_steps),
                     "mst/sparsity": 1.0 - sum(active.values()) / size,
                     "mst/drop_fraction": zeta})
     return state, scalars
-
-  def active_counts(self, state: TrainState) -> dict[str, int]:
-    """Active weights per layer name in `state` (one device_get)."""
-    counts = {state_lib.layer_name(p): jnp.sum(state_lib.get_path(state.sparsity, p)["mask"])
-              for p in self.shapes}
-    return {k: int(v) for k, v in jax.device_get(counts).items()}
 
 
 # ---------------------------------------------------------------------------------------------
 # The schedule plot.
 
 
-def schedule_series(config, steps: Sequence[int] | None = None) -> dict[str, np.ndarray]:
+def schedule_series(m: MST, total: int, steps: Sequence[int] | None = None
+                    ) -> dict[str, np.ndarray]:
   """step, target sparsity, drop fraction and sparse-attention flag on a grid of steps."""
-  total = config.total_steps
   if steps is None:
     steps = np.unique(np.linspace(0, max(total - 1, 0), min(total, 2000)).astype(int))
-  m = config.mst
   return {
       "step": np.asarray(steps),
       "sparsity": np.asarray([target_sparsity(m, s, total) for s in steps]),
       "drop_fraction": np.asarray([drop_fraction(m, s, total) for s in steps]),
-      "sparse_attention": np.asarray([attention_at(config, s) != "causal" for s in steps]),
+      "sparse_attention": np.asarray([attention_at(m, s, total, "causal") != "causal"
+                                      for s in steps]),
   }
 
 
-def plot_schedule(config, png_path: str, *, measured: Mapping[str, Sequence[float]] | None = None
-                  ) -> str:
+def plot_schedule(m: MST, config, png_path: str, *,
+                  measured: Mapping[str, Sequence[float]] | None = None) -> str:
   """PNG of the Sparsity Variation schedule: target sparsity per phase, drop fraction, the
   sparse-attention window, and (optional) `measured` {'step': [...], 'sparsity': [...]}."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
-  s = schedule_series(config)
+  s = schedule_series(m, config.total_steps)
   fig, ax = plt.subplots(figsize=(8, 4))
   ax.plot(s["step"], s["sparsity"], "k-", lw=2, label="target sparsity")
   ax.plot(s["step"], s["drop_fraction"], "b--", lw=1, label="drop fraction $\\zeta_t$")
   if measured is not None and len(measured.get("step", ())):
     ax.plot(measured["step"], measured["sparsity"], "ro", ms=3, label="measured (after update)")
-  for (start, end), name, color in zip(phase_bounds(config.mst, config.total_steps), PHASES,
+  for (start, end), name, color in zip(phase_bounds(m, config.total_steps), PHASES,
                                        ("#fde0c5", "#f5b7b1", "#d5f5e3")):
     ax.axvspan(start, end, color=color, alpha=0.5, lw=0)
     ax.text((start + end) / 2, 1.02, name, ha="center", va="bottom", fontsize=8)
-  a0, a1 = attention_window(config)
+  a0, a1 = attention_window(m, config.total_steps)
   if a1 > a0:
     ax.axvspan(a0, a1, ymin=0, ymax=0.04, color="purple", alpha=0.6, lw=0,
-               label=f"sparse attention ({config.mst.sparse_attention}, "
+               label=f"sparse attention ({m.sparse_attention}, "
                      f"l={config.model.attention_stride})")
   ax.set_ylim(0, 1.1)
   ax.set_xlabel("step"), ax.set_ylabel("fraction")
@@ -469,3 +552,6 @@ def plot_schedule(config, png_path: str, *, measured: Mapping[str, Sequence[floa
   fig.savefig(png_path, dpi=110)
   plt.close(fig)
   return png_path
+
+
+base.register_method("mst", MST())

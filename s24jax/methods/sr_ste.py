@@ -1,0 +1,227 @@
+"""sr_ste: hard-threshold 2:4, straight-through, with SR-STE's masked decay (Zhou et al. 2021;
+with Adam as in Hu et al. 2024), and lambda_W chosen automatically during warm-up.
+
+docs/algorithms.md, "SR-STE" and "Choosing lambda_W in warm-up", describe the rules; here:
+- `sr_ste24`: the projection, with the decay inside the backward ('backward' placement);
+- `masked_decay`: the optax transform for the two Adam placements, 'gradients' (after
+  clipping, before Adam: Hu et al. 2024) and 'weights' (decoupled, after Adam);
+- the lambda_W controller (`decay_auto`): state in the train state under the method's name,
+  updated from the step's global flip rate inside the jitted step, frozen after warm-up;
+- `SRSTE`, the method; `t_sr_ste` (Hu et al. 2024) extends it with a cached transposable mask.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+import optax
+from absl import logging
+from flax import traverse_util
+
+from s24jax import hooks as hooks_lib
+from s24jax import masks
+from s24jax import state as state_lib
+from s24jax.methods import base
+
+PLACEMENTS = ("gradients", "weights", "backward")
+# Hu et al. 2024's lambda_W per GPT-2 size (the experiment files pick it by variant).
+PAPER_DECAY = {"124m": 6e-5, "350m": 2e-4, "774m": 6e-5, "1558m": 2e-4}
+# The controller: EMA of the flip rate (per measurement); lambda stays in [MIN, MAX].
+CONTROL_EMA = 0.8
+MIN_DECAY, MAX_DECAY = 1e-8, 1.0
+
+
+@jax.custom_vjp
+def sr_ste24(w: jax.Array, decay: jax.Array) -> jax.Array:
+  """Forward W~ = m(W) * W. Backward: dL/dW := dL/dW~ + decay * (1 - m(W)) * W.
+
+  The SGD form of SR-STE; `decay` is 0 unless the placement is 'backward' (with Adam the
+  decay goes into the optimizer, `masked_decay`). `decay` is a hyper-parameter: no cotangent.
+  """
+  return jnp.where(masks.nm_mask(w), w, 0)
+
+
+def _sr_ste24_fwd(w, decay):
+  m = masks.nm_mask(w)
+  return jnp.where(m, w, 0), (w, m, decay)
+
+
+def _sr_ste24_bwd(res, g):
+  w, m, decay = res
+  dw = g + (decay * jnp.where(m, 0, w)).astype(g.dtype)
+  return dw, jnp.zeros_like(decay)
+
+
+sr_ste24.defvjp(_sr_ste24_fwd, _sr_ste24_bwd)
+
+
+def masked_decay(is_sparse: Any) -> optax.GradientTransformationExtraArgs:
+  """updates += decay * (1 - m) * W on the leaves where `is_sparse` is True.
+
+  `decay` (lambda_W, a scalar) and `masks` (a params-shaped tree holding the mask the forward
+  pass used at the sparse leaves, None elsewhere) come from the train state each step as extra
+  arguments of `update` (`SRSTE.optimizer_args`). Without them (a dense fine-tuning step) the
+  transform leaves the updates alone.
+  """
+
+  def init_fn(params):
+    del params
+    return optax.EmptyState()
+
+  def update_fn(updates, state, params=None, *, decay=None, masks=None, **extra):
+    del extra
+    if decay is None:
+      return updates, state
+    if params is None or masks is None:
+      raise ValueError("masked_decay needs the params and the forward masks")
+
+    def one(u, w, sparse, m):
+      if not sparse:
+        return u
+      return u + (decay * jnp.where(m, 0, w)).astype(u.dtype)
+
+    return jax.tree.map(one, updates, params, is_sparse, masks,
+                        is_leaf=lambda x: x is None), state
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def forward_masks(params: Any, sparsity: Any) -> Any:
+  """A params-shaped tree with each sparse kernel's stored forward mask, None elsewhere."""
+  flat = traverse_util.flatten_dict(flax.core.unfreeze(params))
+  sparse = {p + ("kernel",): state_lib.get_path(sparsity, p)["mask"]
+            for p in state_lib.sparse_layer_paths(sparsity)}
+  return traverse_util.unflatten_dict({k: sparse.get(k) for k in flat})
+
+
+@dataclasses.dataclass(frozen=True)
+class SRSTE(base.Method):
+  """Masked decay lambda_W (1 - m) W, at `decay_placement`; lambda_W fixed (`decay` > 0) or
+  chosen in warm-up (`decay_auto`, with decay = 0)."""
+  decay: float = 0.0                   # lambda_W; 0 with decay_auto: chosen in warm-up
+  decay_placement: str = "gradients"   # 'gradients' (Hu et al.), 'weights', 'backward'
+  # The warm-up controller (docs/algorithms.md): lambda starts at decay_auto_init and is
+  # multiplied (divided) by decay_auto_rate whenever the smoothed global flip rate leaves
+  # [target / band, target * band], during steps [N/2, N) with N = decay_auto_steps
+  # (0: optim.warmup_steps); then frozen.
+  decay_auto: bool = False
+  decay_auto_init: float = 6e-5
+  decay_auto_target: float = 3e-3
+  decay_auto_band: float = 2.0
+  decay_auto_rate: float = 1.1
+  decay_auto_steps: int = 0
+
+  def __post_init__(self):
+    if self.decay_placement not in PLACEMENTS:
+      raise ValueError(f"unknown sparsity.{self.name or 'sr_ste'}.decay_placement "
+                       f"{self.decay_placement!r}; valid: {', '.join(PLACEMENTS)}")
+    if self.decay < 0:
+      raise ValueError(f"sparsity.{self.name}.decay (lambda_W) must be >= 0, got {self.decay}")
+    if self.decay_auto:
+      if self.decay_placement == "backward":
+        raise ValueError("decay_auto chooses lambda_W in the optimizer; use decay_placement "
+                         "'gradients' or 'weights', not 'backward'")
+      if not (self.decay_auto_init > 0 and self.decay_auto_target > 0
+              and self.decay_auto_band > 1 and self.decay_auto_rate > 1
+              and self.decay_auto_steps >= 0):
+        raise ValueError("decay_auto needs decay_auto_init > 0, decay_auto_target > 0, "
+                         "decay_auto_band > 1, decay_auto_rate > 1, decay_auto_steps >= 0; got "
+                         f"{self.decay_auto_init}, {self.decay_auto_target}, "
+                         f"{self.decay_auto_band}, {self.decay_auto_rate}, "
+                         f"{self.decay_auto_steps}")
+
+  def configure(self, config):
+    if self.controlled and not self.decay_auto_steps:   # lambda_W is chosen in warm-up
+      return dataclasses.replace(self, decay_auto_steps=int(config.optim.warmup_steps))
+    return self
+
+  @property
+  def uses_decay(self) -> bool:
+    return self.decay > 0 or self.decay_auto
+
+  @property
+  def controlled(self) -> bool:
+    """lambda_W comes from the warm-up controller (a fixed decay > 0 always wins)."""
+    return self.decay_auto and self.decay == 0
+
+  # -- forward ----------------------------------------------------------------------------------
+
+  def backward_decay(self) -> jax.Array:
+    return jnp.asarray(self.decay if self.decay_placement == "backward" else 0.0, jnp.float32)
+
+  def project(self, kernel, layer):
+    del layer
+    return sr_ste24(kernel, self.backward_decay())
+
+  # -- optimizer --------------------------------------------------------------------------------
+
+  def init_state(self):
+    if not self.controlled:
+      return {}
+    return {"decay": jnp.asarray(self.decay_auto_init, jnp.float32),
+            "flip_ema": jnp.asarray(0.0, jnp.float32),
+            "count": jnp.asarray(0, jnp.int32)}
+
+  def current_decay(self, sparsity: Any) -> jax.Array:
+    if self.controlled:
+      return sparsity[self.name]["decay"]
+    return jnp.asarray(self.decay, jnp.float32)
+
+  def optimizer_transforms(self, placement, is_sparse):
+    if self.uses_decay and placement == self.decay_placement:
+      return [masked_decay(is_sparse)]
+    return []
+
+  def optimizer_args(self, params, sparsity):
+    if not self.uses_decay or self.decay_placement == "backward":
+      return {}
+    return {"decay": self.current_decay(sparsity), "masks": forward_masks(params, sparsity)}
+
+  def after_update(self, params, sparsity, step):
+    decay = self.current_decay(sparsity) if self.uses_decay else None
+    params, sparsity, metrics = super().after_update(params, sparsity, step)
+    if self.controlled:
+      sparsity = {**sparsity, self.name: self.control(
+          sparsity[self.name], metrics.get("flip_rate", jnp.nan), step)}
+    if decay is not None:
+      metrics["sparsity/decay"] = decay   # lambda_W used by this step
+    return params, sparsity, metrics
+
+  def control(self, ctrl: dict[str, jax.Array], flip_rate: jax.Array, step: jax.Array
+              ) -> dict[str, jax.Array]:
+    """One controller step after optimizer step `step` (0-based) measured `flip_rate` (the
+    global per-step rate; NaN: no measurement). Acts only while N/2 <= step < N."""
+    r = jnp.asarray(flip_rate, jnp.float32)
+    n = self.decay_auto_steps
+    active = (step >= n // 2) & (step < n) & ~jnp.isnan(r)
+    ema = jnp.where(ctrl["count"] == 0, r, CONTROL_EMA * ctrl["flip_ema"] + (1 - CONTROL_EMA) * r)
+    lam = ctrl["decay"]
+    hi = self.decay_auto_target * self.decay_auto_band
+    lo = self.decay_auto_target / self.decay_auto_band
+    new_lam = jnp.where(ema > hi, jnp.minimum(lam * self.decay_auto_rate, MAX_DECAY),
+                        jnp.where(ema < lo, jnp.maximum(lam / self.decay_auto_rate, MIN_DECAY),
+                                  lam))
+    return {"decay": jnp.where(active, new_lam, lam).astype(jnp.float32),
+            "flip_ema": jnp.where(active, ema, ctrl["flip_ema"]).astype(jnp.float32),
+            "count": ctrl["count"] + active.astype(jnp.int32)}
+
+  # -- the loop ---------------------------------------------------------------------------------
+
+  def hooks(self, config):
+    hooks = super().hooks(config)
+    if self.controlled:
+      hooks.append(hooks_lib.Hook(self._log_chosen_decay, name="lambda_W frozen",
+                                  due=lambda step: step == self.decay_auto_steps))
+    return hooks
+
+  def _log_chosen_decay(self, run) -> None:
+    chosen = float(run.state.sparsity[self.name]["decay"])
+    logging.info("step %d: end of the lambda_W warm-up controller; lambda_W frozen at %.4g",
+                 run.step, chosen)
+    run.write(run.step, {"sparsity/decay_chosen": chosen})
+
+
+base.register_method("sr_ste", SRSTE())
