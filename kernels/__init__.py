@@ -1,26 +1,39 @@
-"""Pallas GPU kernels for s24jax (Triton backend), each with a jnp reference.
+"""Pallas GPU kernels for s24jax, each with a jnp reference.
 
-Public contract (DESIGN.md section 7):
+Public contract (docs/kernels.md, "Public contract"):
   compress24(w, mask=None, *, interpret=False) -> (values [..., K/2], meta)
   decompress24(values, meta) -> dense 2:4 array
   sparse24_matmul(x, values, meta, *, interpret=False)
       -> x @ decompress24(values, meta).T
-The metadata format is documented in `kernels/_common.py`. One kernel
-family per module: sparsify24, sparse24_matmul, transposable_mask, mvue24,
-venom, gated_act; `python -m kernels.bench` times them all on a GPU.
+The metadata format is documented in `kernels/_common.py`.
 
-Note: `kernels.sparse24_matmul` and `kernels.gated_act` are the functions;
-they shadow the submodules of the same name as package attributes, so reach
-those modules with `importlib.import_module("kernels.sparse24_matmul")`.
+One kernel family per module (Triton backend, sm_80 and sm_90a):
+  sparsify24          compress24, soft_compress24, decompress24
+  compressed_matmul   sparse24_matmul (+ its dx / dvalues backward)
+  transposable_mask   transposable_mask24 (+ W~ and W~^T compressed)
+  mvue24              mvue24_compress (unbiased stochastic 2:4)
+  venom               venom_compress, venom_matmul (V:2:M activations)
+  gated_activation    gated_act, geglu, swiglu
+and one Mosaic GPU family for Blackwell (sm_100a), imported on first use so
+the Triton kernels never load it: `kernels.tcgen05` (2:4 GEMMs on the sparse
+tensor cores). No module shares a name with a function, so every module is
+reachable as `kernels.<module>`.
+
+`python -m kernels.bench` times the kernels on a GPU;
+`python -m kernels.compile_check --gpu a100|h100|b200` compiles them for a GPU
+without one (docs/kernels.md).
 """
-from kernels.gated_act import (GatedActConfig, gated_act, gated_act_reference,
-                               geglu, swiglu)
+from kernels._common import interpret_default
+from kernels.compressed_matmul import (PALLAS_MATMUL_MAX_TOKENS,
+                                       Sparse24MatmulConfig,
+                                       should_use_pallas_matmul,
+                                       sparse24_matmul, sparse24_matmul_dx,
+                                       sparse24_matmul_reference)
+from kernels.gated_activation import (GatedActConfig, gated_act,
+                                      gated_act_reference, geglu, swiglu)
 from kernels.mvue24 import (Mvue24Config, mvue24_compress,
                             mvue24_dense_reference, mvue24_reference,
                             seed_from_key)
-from kernels.sparse24_matmul import (PALLAS_MATMUL_MAX_TOKENS,
-                                     Sparse24MatmulConfig, should_use_pallas_matmul,
-                                     sparse24_matmul, sparse24_matmul_reference)
 from kernels.sparsify24 import (Sparsify24Config, compress24,
                                 compress24_reference, decompress24,
                                 soft_compress24, soft_compress24_reference,
@@ -34,13 +47,15 @@ from kernels.venom import (VenomConfig, venom_compress, venom_decompress,
                            venom_reference)
 
 __all__ = [
+    "interpret_default",
     # sparsify24
     "Sparsify24Config", "compress24", "compress24_reference", "decompress24",
     "soft_compress24", "soft_compress24_reference",
     "soft_threshold24_reference",
-    # sparse24_matmul
+    # compressed_matmul
     "PALLAS_MATMUL_MAX_TOKENS", "Sparse24MatmulConfig",
-    "should_use_pallas_matmul", "sparse24_matmul", "sparse24_matmul_reference",
+    "should_use_pallas_matmul", "sparse24_matmul", "sparse24_matmul_dx",
+    "sparse24_matmul_reference",
     # transposable_mask
     "TransposableMaskConfig", "transposable_compressed_reference",
     "transposable_mask24", "transposable_mask_reference",
@@ -50,6 +65,6 @@ __all__ = [
     # venom
     "VenomConfig", "venom_compress", "venom_decompress", "venom_matmul",
     "venom_matmul_reference", "venom_reference",
-    # gated_act
+    # gated_activation
     "GatedActConfig", "gated_act", "gated_act_reference", "geglu", "swiglu",
 ]

@@ -11,9 +11,13 @@ thing, and a second copy would drift:
   jax >= 0.11 a GPU `pallas_call` without them lowers through Mosaic GPU) and
   can poison the outputs (NaN / all-ones) through `input_output_aliases`, so a
   test sees every element a kernel forgets to write;
-* block-size selection (powers of two, as the Triton backend requires) and
-  the padding that goes with it;
-* a small timing helper for the `__main__` tables and `kernels.bench`.
+* block-size selection (powers of two, as the Triton backend requires), the
+  padding that goes with it, and `BlockConfig`, the base of every kernel's
+  tile config;
+* the argument checks every public wrapper repeats (`check_float_groups`);
+* `interpret_default()`, the one rule for when a caller that does not say
+  otherwise runs the kernels in Pallas interpret mode (off a GPU);
+* a small timing helper for `kernels.bench`.
 
 Metadata format (used by every compressed 2:4 array in this package)
 ---------------------------------------------------------------------
@@ -40,13 +44,16 @@ array.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 import statistics
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 import jax
 from jax import lax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -112,11 +119,94 @@ def pad_axis(x: jax.Array, axis: int, new_size: int, value=0) -> jax.Array:
   return jnp.pad(x, widths, constant_values=value)
 
 
+@dataclasses.dataclass(frozen=True)
+class RowTiling:
+  """A [..., K] array seen as [rows, K] and padded to whole [br, bc] tiles
+  (bc >= 32: whole metadata words), for the one-pass compress kernels."""
+  lead: tuple[int, ...]
+  rows: int
+  k: int
+  br: int
+  bc: int
+  rp: int
+  kp: int
+
+  @classmethod
+  def of(cls, shape, block_rows: int, block_cols: int) -> "RowTiling":
+    lead, k = tuple(shape[:-1]), shape[-1]
+    rows = int(np.prod(lead)) if lead else 1
+    bc, kp = fit_block(k, block_cols, minimum=COLS_PER_WORD)
+    br, rp = fit_block(rows, block_rows)
+    return cls(lead, rows, k, br, bc, rp, kp)
+
+  def pad(self, x: jax.Array, value=0) -> jax.Array:
+    """[..., K] -> padded [rp, kp]."""
+    x2 = x.reshape(self.rows, self.k)
+    return pad_axis(pad_axis(x2, 1, self.kp, value), 0, self.rp, value)
+
+  @property
+  def grid(self) -> tuple[int, int]:
+    return (self.rp // self.br, self.kp // self.bc)
+
+  def in_spec(self) -> pl.BlockSpec:
+    """The [br, bc] tile of a padded [rp, kp] input."""
+    return pl.BlockSpec((self.br, self.bc), lambda i, j: (i, j))
+
+  def compressed_outputs(self, dtype):
+    """(out_shape, out_specs) of padded (values [rp, kp/2], meta [rp, kp/32])."""
+    shapes = [jax.ShapeDtypeStruct((self.rp, self.kp // 2), dtype),
+              jax.ShapeDtypeStruct((self.rp, self.kp // COLS_PER_WORD),
+                                   jnp.uint32)]
+    specs = [pl.BlockSpec((self.br, self.bc // 2), lambda i, j: (i, j)),
+             pl.BlockSpec((self.br, self.bc // COLS_PER_WORD),
+                          lambda i, j: (i, j))]
+    return shapes, specs
+
+  def unpad_compressed(self, values: jax.Array, meta: jax.Array):
+    """Padded ([rp, kp/2], [rp, kp/32]) -> ([..., K/2], [..., ceil(K/32)])."""
+    words = meta_words(self.k)
+    return (values[:self.rows, :self.k // 2].reshape(*self.lead, self.k // 2),
+            meta[:self.rows, :words].reshape(*self.lead, words))
+
+
 def check_groups(name: str, k: int, m: int = 4) -> None:
   if k % m:
     raise ValueError(
         f"2:4 sparsity needs the contraction (last) dimension of {name} to be a "
         f"multiple of {m}; got {k}.")
+
+
+def check_float_groups(name: str, x: jax.Array, m: int = 4) -> None:
+  """The public wrappers' argument check: a floating array (at least one axis)
+  whose last axis splits into groups of m."""
+  if x.ndim < 1:
+    raise ValueError(f"{name} must have at least one axis; got a scalar.")
+  check_groups(name, x.shape[-1], m)
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise ValueError(f"{name} must be floating point; got {x.dtype}.")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BlockConfig:
+  """Base of the kernels' tile configs (frozen, hashable: a static argument).
+
+  Every field whose name contains "block" must be a power of two (Triton block
+  shapes are); the fields listed in `WORD_ALIGNED` must also hold at least one
+  metadata word of columns (>= 32). Subclasses add their tile fields; these
+  two launch parameters are common to all.
+  """
+  WORD_ALIGNED: ClassVar[tuple[str, ...]] = ()
+  num_warps: int = 4
+  num_stages: int = 1
+
+  def __post_init__(self):
+    for f in dataclasses.fields(self):
+      if "block" in f.name:
+        check_pow2(f.name, getattr(self, f.name))
+    for name in self.WORD_ALIGNED:
+      if getattr(self, name) < COLS_PER_WORD:
+        raise ValueError(f"{name}={getattr(self, name)} must be >= "
+                         f"{COLS_PER_WORD} (one metadata word).")
 
 
 def meta_words(k: int) -> int:
@@ -129,6 +219,19 @@ def meta_words(k: int) -> int:
 # All functions take per-position arrays (one array per in-group position) so
 # a Triton kernel never needs a register gather or a size-4 axis.
 # ----------------------------------------------------------------------------
+def _two_smallest_ranks(beats) -> list[jax.Array]:
+  """Flags of the two entries (of four) that fewer than two others beat.
+
+  beats(i, j) -> bool array: entry i beats entry j. A strict total order
+  makes exactly two flags true per group.
+  """
+  keep = []
+  for j in range(4):
+    ranks = [beats(i, j).astype(jnp.int32) for i in range(4) if i != j]
+    keep.append(functools.reduce(operator.add, ranks) < 2)
+  return keep
+
+
 def top2_of4(mags: Sequence[jax.Array]) -> list[jax.Array]:
   """Keep flags of the two largest of four magnitudes; ties -> lower index.
 
@@ -136,17 +239,8 @@ def top2_of4(mags: Sequence[jax.Array]) -> list[jax.Array]:
   |w_i| > |w_j|, or |w_i| == |w_j| and i < j (a stable ranking, identical to
   `s24jax.masks.nm_mask`).
   """
-  keep = []
-  for j in range(4):
-    rank = None
-    for i in range(4):
-      if i == j:
-        continue
-      beats = (mags[i] > mags[j]) if i > j else (mags[i] >= mags[j])
-      beats = beats.astype(jnp.int32)
-      rank = beats if rank is None else rank + beats
-    keep.append(rank < 2)
-  return keep
+  return _two_smallest_ranks(
+      lambda i, j: (mags[i] > mags[j]) if i > j else (mags[i] >= mags[j]))
 
 
 def select_two(keep: Sequence[jax.Array]) -> list[jax.Array]:
@@ -158,16 +252,7 @@ def select_two(keep: Sequence[jax.Array]) -> list[jax.Array]:
   written as zero); with more than two kept the two lowest-indexed win.
   """
   key = [jnp.where(keep[j], j, 4 + j) for j in range(4)]
-  sel = []
-  for j in range(4):
-    rank = None
-    for i in range(4):
-      if i == j:
-        continue
-      less = (key[i] < key[j]).astype(jnp.int32)
-      rank = less if rank is None else rank + less
-    sel.append(rank < 2)
-  return sel
+  return _two_smallest_ranks(lambda i, j: key[i] < key[j])
 
 
 def slots_from_selection(sel: Sequence[jax.Array], vals: Sequence[jax.Array]):
@@ -326,7 +411,7 @@ def pallas_call(kernel: Callable, *, out_shape: Sequence[jax.ShapeDtypeStruct],
 
 
 # ----------------------------------------------------------------------------
-# Timing (for `__main__` tables and kernels.bench).
+# Timing and tables (kernels.bench).
 # ----------------------------------------------------------------------------
 def time_fn(fn: Callable, *args, warmup: int = 3, reps: int = 20) -> float:
   """Median wall time in seconds of fn(*args), device-synchronised."""
@@ -363,19 +448,12 @@ def on_gpu() -> bool:
   return jax.default_backend() == "gpu"
 
 
-def main_mode(argv: Sequence[str]) -> bool | None:
-  """`__main__` helper: interpret flag to use, or None to skip (CPU, no flag)."""
-  if on_gpu():
-    return False
-  if "--interpret" in argv:
-    return True
-  print("No GPU backend (jax.default_backend() = "
-        f"{jax.default_backend()!r}); pass --interpret for a tiny CPU check.")
-  return None
-
-
-# Used by dataclass configs for a readable repr in tables.
-def config_str(cfg) -> str:
-  return ",".join(f"{f.name}={getattr(cfg, f.name)}"
-                  for f in dataclasses.fields(cfg))
-
+def interpret_default() -> bool:
+  """Whether a caller that does not choose should run the kernels in Pallas
+  interpret mode: yes unless jax's default backend is a GPU (on CPU the
+  kernels then run, slowly and exactly, as jnp). The one rule for
+  `s24jax.sparse_ops` and `s24jax.act_sparsity`. A deviceless GPU compile
+  (`kernels.compile_check`) traces with the CPU backend and must pass
+  interpret=False itself.
+  """
+  return not on_gpu()

@@ -5,8 +5,8 @@ Per kernel and shape (GPT-2 124M..1.5B FFN shapes: d in {768, 1024, 1280,
 the Pallas kernel and of the XLA path it would replace (warm-up, then many
 reps, each fenced by `jax.block_until_ready`), their ratio (xla / kernel: > 1
 means the kernel is faster), and the achieved bandwidth (GB/s, % of the
-H100's ~3.0 TB/s device copy) or FLOP rate (TFLOP/s, % of ~790 dense bf16),
-the anchors of DESIGN.md section 6.
+H100 SXM datasheet 3.35 TB/s) or FLOP rate (TFLOP/s, % of the datasheet
+989 TFLOP/s dense bf16); sources in kernels/BENCHMARKS.md.
 
 It refuses to run on CPU (interpret-mode timings are meaningless) unless
 asked for a smoke run: `python -m kernels.bench --interpret --small`.
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib
 import json
 import sys
 import traceback
@@ -28,19 +27,16 @@ import jax
 import jax.numpy as jnp
 
 from kernels import _common as c
+from kernels import compressed_matmul as sm
+from kernels import gated_activation as ga
 from kernels import mvue24 as mv
 from kernels import sparsify24 as sp
 from kernels import transposable_mask as tm
 from kernels import venom as vn
 
-# `kernels.sparse24_matmul` and `kernels.gated_act` are the exported
-# functions (DESIGN.md section 7), which shadow the submodules of the same
-# name as package attributes; import the modules by their full name.
-sm = importlib.import_module("kernels.sparse24_matmul")
-ga = importlib.import_module("kernels.gated_act")
-
-H100_BW = 3.0e12       # bytes/s, device copy measured (DESIGN.md section 6)
-H100_BF16 = 790e12     # FLOP/s, dense bf16 matmul measured
+# NVIDIA H100 SXM datasheet peaks (kernels/BENCHMARKS.md names the source).
+H100_BW = 3.35e12      # bytes/s, HBM3
+H100_BF16 = 989e12     # FLOP/s, dense bf16 tensor core
 WIDTHS = (768, 1024, 1280, 1600)
 TOKENS = (16, 64, 256, 1024, 4096, 16384)
 KERNELS = ("sparsify24", "transposable", "mvue24", "matmul", "matmul_bwd",

@@ -1,12 +1,14 @@
 """y = x @ W~^T from the compressed 2:4 operand (values + metadata).
 
-Why: no Pallas backend on Hopper reaches the sparse tensor-core instruction
-(DESIGN.md section 5), so this kernel cannot halve the FLOPs. What it can do
+Why: no Pallas backend on Ampere or Hopper reaches the sparse tensor-core
+instruction (docs/kernels.md, "What each GPU generation can get"), so this
+kernel cannot halve the FLOPs. What it can do
 is read ~56% of the weight bytes (half the values plus 4 bits per group of
 four) and expand each tile on chip before a dense MMA. That only pays where
 the matmul is bound by reading the weight, i.e. small token counts (decode,
 small micro-batches); see `should_use_pallas_matmul`. For compute-bound
-training GEMMs the dense XLA matmul (or cuSPARSELt, later) is the right path.
+training GEMMs the dense XLA matmul (or, on Blackwell, `kernels.tcgen05`) is
+the right path.
 
 How the tile is expanded: instead of interleaving the four in-group
 positions back into a dense [BN, BK] tile (a register shuffle), the kernel
@@ -31,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import sys
 
 import jax
 from jax import lax
@@ -44,7 +45,8 @@ from kernels import _common as c
 # Token count up to which the compressed Pallas matmul is expected to beat
 # the dense XLA matmul on H100 (bf16). From the roofline, not a measurement:
 # a dense [T, K] x [K, N] bf16 GEMM has arithmetic intensity ~T FLOP/byte
-# (weights dominate the bytes), the H100 ridge is ~790e12 / 3.0e12 ~ 260, and
+# (weights dominate the bytes), the H100 SXM ridge is 989e12 / 3.35e12 ~ 295
+# FLOP/byte (datasheet peaks, see kernels/BENCHMARKS.md), and
 # the compressed operand moves 0.5625x the weight bytes; after the on-chip
 # expansion overhead a win is plausible up to a few tens of tokens. 64 is a
 # placeholder until `python -m kernels.bench` calibrates it on the GPU host
@@ -71,27 +73,19 @@ def should_use_pallas_matmul(tokens: int, out_features: int,
 
 
 @dataclasses.dataclass(frozen=True)
-class Sparse24MatmulConfig:
+class Sparse24MatmulConfig(c.BlockConfig):
   """Tiles (powers of two). block_k >= 64 so every per-position dot has
   K = block_k / 4 >= 16; block_m, block_n >= 16 on GPU (MMA minimum)."""
+  WORD_ALIGNED = ("block_k", "bwd_block_k")
   block_m: int = 16
   block_n: int = 64
   block_k: int = 128
-  num_warps: int = 4
-  num_stages: int = 2
   # Backward tiles (dx: [block_m, block_k] outputs, loop over N;
   # dvalues: [block_n, block_k] outputs, loop over M).
   bwd_block_m: int = 32
   bwd_block_n: int = 64
   bwd_block_k: int = 64
-
-  def __post_init__(self):
-    for f in dataclasses.fields(self):
-      if f.name.startswith(("block", "bwd_block")):
-        c.check_pow2(f.name, getattr(self, f.name))
-    for name in ("block_k", "bwd_block_k"):
-      if getattr(self, name) < c.COLS_PER_WORD:
-        raise ValueError(f"{name} must be >= 32 (one metadata word).")
+  num_stages: int = dataclasses.field(default=2, kw_only=True)
 
 
 def _dot_nt(a, b):
@@ -187,86 +181,91 @@ def _dvalues_kernel(x_ref, dy_ref, meta_ref, dv_ref, *, bm, bn, bk):
 # ----------------------------------------------------------------------------
 # Launchers on 2-D, unpadded operands; they pad internally.
 # ----------------------------------------------------------------------------
-def _pad_operands(values, meta, k, bk, n, bn):
-  """Pads the compressed operand to [np_, kp/2] / [np_, kp/32]."""
-  kp = -(-k // bk) * bk
-  np_ = -(-n // bn) * bn
-  values = c.pad_axis(c.pad_axis(values, 1, kp // 2), 0, np_)
-  meta = c.pad_axis(c.pad_axis(meta, 1, kp // c.COLS_PER_WORD), 0, np_)
-  return values, meta, kp, np_
+@dataclasses.dataclass(frozen=True)
+class _Tiles:
+  """Blocks (bm, bn, bk) of an [m, k] x [n, k]^T product and the padded sizes
+  (mp, np_, kp): every axis padded to whole blocks, padding is zero."""
+  bm: int
+  bn: int
+  bk: int
+  mp: int
+  np_: int
+  kp: int
 
+  @classmethod
+  def of(cls, m, n, k, bm, bn, bk):
+    bk, _ = c.fit_block(k, max(bk, _MIN_BLOCK_K), minimum=_MIN_BLOCK_K)
+    bn, _ = c.fit_block(n, max(bn, _MIN_BLOCK_N), minimum=_MIN_BLOCK_N)
+    bm = min(bm, max(16, pl.next_power_of_2(m)))
+    up = lambda d, b: -(-d // b) * b
+    return cls(bm, bn, bk, up(m, bm), up(n, bn), up(k, bk))
 
-def _blocks(m, n, k, bm, bn, bk):
-  bk, _ = c.fit_block(k, max(bk, _MIN_BLOCK_K), minimum=_MIN_BLOCK_K)
-  bn, _ = c.fit_block(n, max(bn, _MIN_BLOCK_N), minimum=_MIN_BLOCK_N)
-  bm = min(bm, max(16, pl.next_power_of_2(m)))
-  return bm, bn, bk
+  @staticmethod
+  def pad2(a, rows, cols):
+    return c.pad_axis(c.pad_axis(a, 1, cols), 0, rows)
+
+  def compressed(self, values, meta):
+    """The compressed operand padded to [np_, kp/2] / [np_, kp/32]."""
+    return (self.pad2(values, self.np_, self.kp // 2),
+            self.pad2(meta, self.np_, self.kp // c.COLS_PER_WORD))
 
 
 def _forward(x, values, meta, config, interpret, poison):
   m, k = x.shape
   n = values.shape[0]
-  bm, bn, bk = _blocks(m, n, k, config.block_m, config.block_n, config.block_k)
-  values, meta, kp, np_ = _pad_operands(values, meta, k, bk, n, bn)
-  mp = -(-m // bm) * bm
-  x = c.pad_axis(c.pad_axis(x, 1, kp), 0, mp)
+  t = _Tiles.of(m, n, k, config.block_m, config.block_n, config.block_k)
   (y,) = c.pallas_call(
-      functools.partial(_fwd_kernel, bm=bm, bn=bn, bk=bk),
-      out_shape=[jax.ShapeDtypeStruct((mp, np_), x.dtype)],
-      grid=(mp // bm, np_ // bn),
-      in_specs=[pl.BlockSpec((bm, kp), lambda i, j: (i, 0)),
-                pl.BlockSpec((bn, kp // 2), lambda i, j: (j, 0)),
-                pl.BlockSpec((bn, kp // c.COLS_PER_WORD), lambda i, j: (j, 0))],
-      out_specs=[pl.BlockSpec((bm, bn), lambda i, j: (i, j))],
+      functools.partial(_fwd_kernel, bm=t.bm, bn=t.bn, bk=t.bk),
+      out_shape=[jax.ShapeDtypeStruct((t.mp, t.np_), x.dtype)],
+      grid=(t.mp // t.bm, t.np_ // t.bn),
+      in_specs=[pl.BlockSpec((t.bm, t.kp), lambda i, j: (i, 0)),
+                pl.BlockSpec((t.bn, t.kp // 2), lambda i, j: (j, 0)),
+                pl.BlockSpec((t.bn, t.kp // c.COLS_PER_WORD),
+                             lambda i, j: (j, 0))],
+      out_specs=[pl.BlockSpec((t.bm, t.bn), lambda i, j: (i, j))],
       num_warps=config.num_warps, num_stages=config.num_stages,
       interpret=interpret, poison=poison, name="sparse24_matmul_fwd",
-  )(x, values, meta)
+  )(t.pad2(x, t.mp, t.kp), *t.compressed(values, meta))
   return y[:m, :n]
 
 
 def _backward_dx(dy, values, meta, k, config, interpret, poison):
   m, n = dy.shape
-  bm, bn, bk = _blocks(m, n, k, config.bwd_block_m, config.bwd_block_n,
-                       config.bwd_block_k)
-  values, meta, kp, np_ = _pad_operands(values, meta, k, bk, n, bn)
-  mp = -(-m // bm) * bm
-  dy = c.pad_axis(c.pad_axis(dy, 1, np_), 0, mp)
+  t = _Tiles.of(m, n, k, config.bwd_block_m, config.bwd_block_n,
+                config.bwd_block_k)
   (dx,) = c.pallas_call(
-      functools.partial(_dx_kernel, bm=bm, bn=bn, bk=bk),
-      out_shape=[jax.ShapeDtypeStruct((mp, kp), dy.dtype)],
-      grid=(mp // bm, kp // bk),
-      in_specs=[pl.BlockSpec((bm, np_), lambda i, j: (i, 0)),
-                pl.BlockSpec((np_, bk // 2), lambda i, j: (0, j)),
-                pl.BlockSpec((np_, bk // c.COLS_PER_WORD), lambda i, j: (0, j))],
-      out_specs=[pl.BlockSpec((bm, bk), lambda i, j: (i, j))],
+      functools.partial(_dx_kernel, bm=t.bm, bn=t.bn, bk=t.bk),
+      out_shape=[jax.ShapeDtypeStruct((t.mp, t.kp), dy.dtype)],
+      grid=(t.mp // t.bm, t.kp // t.bk),
+      in_specs=[pl.BlockSpec((t.bm, t.np_), lambda i, j: (i, 0)),
+                pl.BlockSpec((t.np_, t.bk // 2), lambda i, j: (0, j)),
+                pl.BlockSpec((t.np_, t.bk // c.COLS_PER_WORD),
+                             lambda i, j: (0, j))],
+      out_specs=[pl.BlockSpec((t.bm, t.bk), lambda i, j: (i, j))],
       num_warps=config.num_warps, num_stages=config.num_stages,
       interpret=interpret, poison=poison, name="sparse24_matmul_dx",
-  )(dy, values, meta)
+  )(t.pad2(dy, t.mp, t.np_), *t.compressed(values, meta))
   return dx[:m, :k]
 
 
 def _backward_dvalues(x, dy, meta, config, interpret, poison, dtype):
   m, k = x.shape
   n = dy.shape[1]
-  bm, bn, bk = _blocks(m, n, k, config.bwd_block_m, config.bwd_block_n,
-                       config.bwd_block_k)
-  kp = -(-k // bk) * bk
-  np_ = -(-n // bn) * bn
-  mp = -(-m // bm) * bm
-  meta = c.pad_axis(c.pad_axis(meta, 1, kp // c.COLS_PER_WORD), 0, np_)
-  x = c.pad_axis(c.pad_axis(x, 1, kp), 0, mp)
-  dy = c.pad_axis(c.pad_axis(dy, 1, np_), 0, mp)
+  t = _Tiles.of(m, n, k, config.bwd_block_m, config.bwd_block_n,
+                config.bwd_block_k)
   (dv,) = c.pallas_call(
-      functools.partial(_dvalues_kernel, bm=bm, bn=bn, bk=bk),
-      out_shape=[jax.ShapeDtypeStruct((np_, kp // 2), dtype)],
-      grid=(np_ // bn, kp // bk),
-      in_specs=[pl.BlockSpec((mp, bk), lambda i, j: (0, j)),
-                pl.BlockSpec((mp, bn), lambda i, j: (0, i)),
-                pl.BlockSpec((bn, bk // c.COLS_PER_WORD), lambda i, j: (i, j))],
-      out_specs=[pl.BlockSpec((bn, bk // 2), lambda i, j: (i, j))],
+      functools.partial(_dvalues_kernel, bm=t.bm, bn=t.bn, bk=t.bk),
+      out_shape=[jax.ShapeDtypeStruct((t.np_, t.kp // 2), dtype)],
+      grid=(t.np_ // t.bn, t.kp // t.bk),
+      in_specs=[pl.BlockSpec((t.mp, t.bk), lambda i, j: (0, j)),
+                pl.BlockSpec((t.mp, t.bn), lambda i, j: (0, i)),
+                pl.BlockSpec((t.bn, t.bk // c.COLS_PER_WORD),
+                             lambda i, j: (i, j))],
+      out_specs=[pl.BlockSpec((t.bn, t.bk // 2), lambda i, j: (i, j))],
       num_warps=config.num_warps, num_stages=config.num_stages,
       interpret=interpret, poison=poison, name="sparse24_matmul_dvalues",
-  )(x, dy, meta)
+  )(t.pad2(x, t.mp, t.kp), t.pad2(dy, t.mp, t.np_),
+    t.pad2(meta, t.np_, t.kp // c.COLS_PER_WORD))
   return dv[:n, :k // 2]
 
 
@@ -376,37 +375,3 @@ def sparse24_matmul_reference(x, values, meta):
   y = jnp.einsum("...k,nk->...n", x, w, precision=prec,
                  preferred_element_type=jnp.float32)
   return y.astype(x.dtype)
-
-
-def _main(argv):
-  interpret = c.main_mode(argv)
-  if interpret is None:
-    return
-  from kernels.sparsify24 import compress24_reference
-  dtype = jnp.float32 if interpret else jnp.bfloat16
-  cases = ([(16, 64, 128)] if interpret else
-           [(t, n, k) for (n, k) in [(3072, 768), (768, 3072), (6400, 1600)]
-            for t in (16, 64, 256, 2048)])
-  rows = []
-  for t, n, k in cases:
-    kx, kw = jax.random.split(jax.random.key(0))
-    x = jax.random.normal(kx, (t, k), dtype)
-    w = jax.random.normal(kw, (n, k), dtype)
-    values, meta = compress24_reference(w)
-    dense = c.decompress(values, meta)
-    fast = jax.jit(functools.partial(sparse24_matmul, interpret=interpret))
-    ref = jax.jit(lambda x, w: jnp.dot(x, w.T, preferred_element_type=jnp.float32).astype(x.dtype))
-    err = float(jnp.max(jnp.abs(fast(x, values, meta).astype(jnp.float32)
-                                - ref(x, dense).astype(jnp.float32))))
-    reps = 3 if interpret else 100
-    t_k = c.time_fn(fast, x, values, meta, reps=reps)
-    t_r = c.time_fn(ref, x, dense, reps=reps)
-    rows.append(dict(tokens=t, N=n, K=k, max_err=err, kernel_us=t_k * 1e6,
-                     dense_xla_us=t_r * 1e6, speedup=t_r / t_k,
-                     TFLOPs=2 * t * n * k / t_k / 1e12,
-                     use_pallas=should_use_pallas_matmul(t, n, k)))
-  c.print_table(rows)
-
-
-if __name__ == "__main__":
-  _main(sys.argv[1:])

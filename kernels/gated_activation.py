@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -40,15 +39,10 @@ _GELU_C = 0.044715
 
 
 @dataclasses.dataclass(frozen=True)
-class GatedActConfig:
+class GatedActConfig(c.BlockConfig):
+  """A [block_t, block_h] tile of each half per program (powers of two)."""
   block_t: int = 32
   block_h: int = 256
-  num_warps: int = 4
-  num_stages: int = 1
-
-  def __post_init__(self):
-    c.check_pow2("block_t", self.block_t)
-    c.check_pow2("block_h", self.block_h)
 
 
 # Rational approximation of erf on [-4, 4] (the one Eigen / XLA use for f32,
@@ -209,39 +203,3 @@ def gated_act_reference(x, kind: str = "geglu", *, approximate: bool = True):
   act = (jax.nn.silu(g) if kind == "swiglu"
          else jax.nn.gelu(g, approximate=approximate))
   return (v * act).astype(x.dtype)
-
-
-def _main(argv):
-  interpret = c.main_mode(argv)
-  if interpret is None:
-    return
-  dtype = jnp.float32 if interpret else jnp.bfloat16
-  cases = ([(16, 64)] if interpret else
-           [(t, 4 * d) for d in (768, 1600) for t in (1024, 16384)])
-  rows = []
-  for t, h in cases:
-    x = jax.random.normal(jax.random.key(0), (t, 2 * h), dtype)
-    dy = jax.random.normal(jax.random.key(1), (t, h), dtype)
-    for kind in ACTIVATIONS:
-      fast = jax.jit(functools.partial(gated_act, kind=kind,
-                                       interpret=interpret))
-      ref = jax.jit(functools.partial(gated_act_reference, kind=kind))
-      fast_b = jax.jit(lambda x, dy, f=fast: jax.vjp(f, x)[1](dy)[0])
-      ref_b = jax.jit(lambda x, dy, f=ref: jax.vjp(f, x)[1](dy)[0])
-      err = float(jnp.max(jnp.abs(fast(x).astype(jnp.float32)
-                                  - ref(x).astype(jnp.float32))))
-      reps = 3 if interpret else 50
-      t_f, t_rf = c.time_fn(fast, x, reps=reps), c.time_fn(ref, x, reps=reps)
-      t_b = c.time_fn(fast_b, x, dy, reps=reps)
-      t_rb = c.time_fn(ref_b, x, dy, reps=reps)
-      isz = x.dtype.itemsize
-      rows.append(dict(kind=kind, T=t, H=h, max_err=err, fwd_us=t_f * 1e6,
-                       fwd_xla_us=t_rf * 1e6, fwd_speedup=t_rf / t_f,
-                       fwd_GBps=3 * t * h * isz / t_f / 1e9,
-                       bwd_us=t_b * 1e6, bwd_xla_us=t_rb * 1e6,
-                       bwd_speedup=t_rb / t_b))
-  c.print_table(rows)
-
-
-if __name__ == "__main__":
-  _main(sys.argv[1:])

@@ -1,9 +1,12 @@
 """MVUE 2:4: the unbiased stochastic 2:4 estimator, fused with compression.
 
 Why: the fully sparse linear layer computes dW = MVUE(dY^T) x with dY^T made
-2:4 along tokens (DESIGN.md section 4). The estimator is elementwise per group
-of four, so one pass that reads the dense input once and writes compressed
-values + metadata is all the memory traffic there is.
+2:4 along tokens (docs/algorithms.md, "MVUE 2:4 weight gradient"). The
+estimator is elementwise per group of four, so one pass that reads the dense
+input once and writes compressed values + metadata is all the memory traffic
+there is. (`s24jax.masks.mvue24` is the same estimator with jax.random draws;
+this kernel uses its own counter-based hash, so the two agree in law, not
+draw for draw.)
 
 Estimator (per group x_0..x_3): a_i = |x_i| + eps, S = sum a_i. Draw a first
 index with probability a_i / S, then a second from the other three with
@@ -30,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import sys
 
 import jax
 from jax import lax
@@ -44,17 +46,11 @@ DEFAULT_EPS = 1e-12
 
 
 @dataclasses.dataclass(frozen=True)
-class Mvue24Config:
+class Mvue24Config(c.BlockConfig):
+  """One program's tile of x (powers of two; block_cols >= 32)."""
+  WORD_ALIGNED = ("block_cols",)
   block_rows: int = 16
   block_cols: int = 256
-  num_warps: int = 4
-  num_stages: int = 1
-
-  def __post_init__(self):
-    c.check_pow2("block_rows", self.block_rows)
-    c.check_pow2("block_cols", self.block_cols)
-    if self.block_cols < c.COLS_PER_WORD:
-      raise ValueError("block_cols must be >= 32 (one metadata word).")
 
 
 def _mix(x):
@@ -81,6 +77,20 @@ def seed_from_key(key: jax.Array) -> jax.Array:
   return jax.random.bits(key, (), jnp.uint32)
 
 
+def _draw(w, u):
+  """Inverse-CDF draw of an index in 0..3 with probability w_i / sum(w), by
+  explicit left-to-right cumulative sums (reproducible comparisons).
+  Returns (index int32, sum(w))."""
+  c0 = w[0]
+  c1 = c0 + w[1]
+  c2 = c1 + w[2]
+  total = c2 + w[3]
+  t = u * total
+  idx = ((t >= c0).astype(jnp.int32) + (t >= c1).astype(jnp.int32)
+         + (t >= c2).astype(jnp.int32))
+  return idx, total
+
+
 def _mvue_group(x, u1, u2, eps):
   """Per-position inputs x[0..3] (any float) -> (i0, i1, v0, v1), i0 < i1.
 
@@ -89,22 +99,9 @@ def _mvue_group(x, u1, u2, eps):
   """
   xf = [v.astype(jnp.float32) for v in x]
   a = [jnp.abs(v) + jnp.float32(eps) for v in xf]
-  c0 = a[0]
-  c1 = c0 + a[1]
-  c2 = c1 + a[2]
-  s = c2 + a[3]
-  t1 = u1 * s
-  first = ((t1 >= c0).astype(jnp.int32) + (t1 >= c1).astype(jnp.int32)
-           + (t1 >= c2).astype(jnp.int32))
+  first, s = _draw(a, u1)
   zero = jnp.zeros_like(a[0])
-  b = [jnp.where(first == j, zero, a[j]) for j in range(4)]
-  d0 = b[0]
-  d1 = d0 + b[1]
-  d2 = d1 + b[2]
-  s2 = d2 + b[3]
-  t2 = u2 * s2
-  second = ((t2 >= d0).astype(jnp.int32) + (t2 >= d1).astype(jnp.int32)
-            + (t2 >= d2).astype(jnp.int32))
+  second, _ = _draw([jnp.where(first == j, zero, a[j]) for j in range(4)], u2)
   second = jnp.where(second == first, jnp.where(first == 3, 2, 3), second)
   # Inclusion probabilities; S - a_j as the sum of the other three (no
   # cancellation).
@@ -148,36 +145,18 @@ def _mvue_kernel(x_ref, seed_ref, values_ref, meta_ref, *, br, bk, groups,
 @functools.partial(jax.jit, static_argnames=("eps", "config", "interpret",
                                              "poison"))
 def _mvue24(x, seed, *, eps, config, interpret, poison=False):
-  lead, k = x.shape[:-1], x.shape[-1]
-  rows = int(np.prod(lead)) if lead else 1
-  x2 = x.reshape(rows, k)
-  bk, kp = c.fit_block(k, config.block_cols, minimum=c.COLS_PER_WORD)
-  br, rp = c.fit_block(rows, config.block_rows)
-  x2 = c.pad_axis(c.pad_axis(x2, 1, kp), 0, rp)
-  seed = jnp.asarray(seed, jnp.uint32).reshape(1)
+  t = c.RowTiling.of(x.shape, config.block_rows, config.block_cols)
+  out_shape, out_specs = t.compressed_outputs(x.dtype)
   values, meta = c.pallas_call(
-      functools.partial(_mvue_kernel, br=br, bk=bk, groups=k // 4, eps=eps),
-      out_shape=[jax.ShapeDtypeStruct((rp, kp // 2), x.dtype),
-                 jax.ShapeDtypeStruct((rp, kp // c.COLS_PER_WORD), jnp.uint32)],
-      grid=(rp // br, kp // bk),
-      in_specs=[pl.BlockSpec((br, bk), lambda i, j: (i, j)),
-                pl.BlockSpec((1,), lambda i, j: (0,))],
-      out_specs=[pl.BlockSpec((br, bk // 2), lambda i, j: (i, j)),
-                 pl.BlockSpec((br, bk // c.COLS_PER_WORD), lambda i, j: (i, j))],
-      num_warps=config.num_warps, num_stages=config.num_stages,
-      interpret=interpret, poison=poison, name="mvue24",
-  )(x2, seed)
-  values = values[:rows, :k // 2].reshape(*lead, k // 2)
-  meta = meta[:rows, :c.meta_words(k)].reshape(*lead, c.meta_words(k))
-  return values, meta
-
-
-def _check(x):
-  if x.ndim < 1:
-    raise ValueError("x must have at least one axis.")
-  c.check_groups("x", x.shape[-1])
-  if not jnp.issubdtype(x.dtype, jnp.floating):
-    raise ValueError(f"x must be floating point; got {x.dtype}.")
+      functools.partial(_mvue_kernel, br=t.br, bk=t.bc, groups=t.k // 4,
+                        eps=eps),
+      out_shape=out_shape, grid=t.grid,
+      in_specs=[t.in_spec(), pl.BlockSpec((1,), lambda i, j: (0,))],
+      out_specs=out_specs, num_warps=config.num_warps,
+      num_stages=config.num_stages, interpret=interpret, poison=poison,
+      name="mvue24",
+  )(t.pad(x), jnp.asarray(seed, jnp.uint32).reshape(1))
+  return t.unpad_compressed(values, meta)
 
 
 def mvue24_compress(x: jax.Array, seed, *, eps: float = DEFAULT_EPS,
@@ -195,14 +174,14 @@ def mvue24_compress(x: jax.Array, seed, *, eps: float = DEFAULT_EPS,
     (values [..., K/2] in x's dtype, meta [..., ceil(K/32)] uint32);
     `decompress24` gives the dense estimate, E[dense] = x.
   """
-  _check(x)
+  c.check_float_groups("x", x)
   return _mvue24(x, seed, eps=float(eps), config=config or Mvue24Config(),
                  interpret=interpret)
 
 
 def mvue24_reference(x: jax.Array, seed, *, eps: float = DEFAULT_EPS):
   """Plain-jnp reference with the identical counter-based draws."""
-  _check(x)
+  c.check_float_groups("x", x)
   k = x.shape[-1]
   parts = c.split_positions(x)
   shape = parts[0].shape
@@ -221,32 +200,3 @@ def mvue24_reference(x: jax.Array, seed, *, eps: float = DEFAULT_EPS):
 
 def mvue24_dense_reference(x: jax.Array, seed, *, eps: float = DEFAULT_EPS):
   return c.decompress(*mvue24_reference(x, seed, eps=eps))
-
-
-def _main(argv):
-  interpret = c.main_mode(argv)
-  if interpret is None:
-    return
-  shapes = [(16, 64)] if interpret else [(3072, 16384), (768, 16384),
-                                         (6400, 4096)]
-  dtype = jnp.float32 if interpret else jnp.bfloat16
-  rows = []
-  for shape in shapes:
-    x = jax.random.normal(jax.random.key(0), shape, dtype)
-    fast = jax.jit(functools.partial(mvue24_compress, interpret=interpret))
-    ref = jax.jit(mvue24_reference)
-    got, want = fast(x, 7), ref(x, 7)
-    same_meta = bool(jnp.array_equal(got[1], want[1]))
-    err = float(jnp.max(jnp.abs(got[0].astype(jnp.float32)
-                                - want[0].astype(jnp.float32))))
-    reps = 3 if interpret else 50
-    t_k, t_r = c.time_fn(fast, x, 7, reps=reps), c.time_fn(ref, x, 7, reps=reps)
-    nbytes = x.size * x.dtype.itemsize * 1.5 + x.size // 8
-    rows.append(dict(shape=shape, same_draws=same_meta, max_err=err,
-                     kernel_us=t_k * 1e6, xla_us=t_r * 1e6, speedup=t_r / t_k,
-                     GBps=nbytes / t_k / 1e9))
-  c.print_table(rows)
-
-
-if __name__ == "__main__":
-  _main(sys.argv[1:])

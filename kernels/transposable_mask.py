@@ -1,24 +1,26 @@
 """Transposable 2:4 mask (2:4 along rows *and* columns) by 90-pattern scoring.
 
 Why: dX = dY W~ contracts W~ along its *out* axis, so a 2:4-accelerated
-backward needs W~^T to be 2:4 too. DESIGN.md section 4: for every 4x4 block B
-of |W| pick, among the 90 binary 4x4 patterns with exactly two ones in every
-row and every column, the pattern P maximising sum(P * B).
+backward needs W~^T to be 2:4 too. The algorithm (docs/algorithms.md,
+"Transposable 2:4 mask"; `s24jax.masks.transposable_mask` is its reference
+implementation): for every 4x4 block B of |W| pick, among the 90 binary 4x4
+patterns with exactly two ones in every row and every column, the pattern P
+maximising sum(P * B); ties go to the lowest pattern index in the order of
+`s24jax.masks.TRANSPOSABLE_PATTERNS`, which this kernel uses as is.
 
 How the kernel scores: it loads the 16 block positions as 16 strided
 [BR/4, BC/4] slices (one per (r, c) of the block), stacks them into a
 [blocks, 16] matrix (pairwise `jnp.stack`, which the Triton backend lowers to
 `tt.join`; the resulting column order is the bit-reversal of 4r + c, matched
 by permuting the rows of the pattern matrix on the host), and then does what
-DESIGN.md describes: one [blocks, 16] x [16, 128] matmul (90 patterns padded
+the reference does: one [blocks, 16] x [16, 128] matmul (90 patterns padded
 to a power of two with zero columns, f32, HIGHEST precision) and an argmax
 (first maximum, so ties go to the lower pattern index; a zero pad column can
 only tie, never win). The winner's 16-bit code (bit 4r + c) is read with a
 one-hot max-reduction, and the mask bits are shifted out of it.
-The reference (`transposable_mask_reference`) is the same matmul + argmax in
-plain jnp. Both sum in f32 but maybe in different orders, so on real-valued
-data an ulp-level near-tie may resolve differently; on data whose sums are
-exact (integers) the two agree bit for bit.
+Both sum in f32 but maybe in different orders, so on real-valued data an
+ulp-level near-tie may resolve differently; on data whose sums are exact
+(integers) the two agree bit for bit (the tests check both).
 
 Optionally the kernel also emits W~ and W~^T compressed (values + metadata in
 the `kernels/_common.py` format), so the forward (`sparse24_matmul(x, v, m)`)
@@ -29,8 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
-import sys
 
 import jax
 from jax import lax
@@ -39,46 +39,20 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from kernels import _common as c
+from kernels.sparsify24 import compress24_reference
+from s24jax import masks
 
-_PAIRS = tuple(itertools.combinations(range(4), 2))  # 6 column pairs, lex order
-
-
-def _enumerate_patterns():
-  pats = []
-  for choice in itertools.product(range(6), repeat=4):
-    cols = np.zeros(4, int)
-    for pi in choice:
-      for col in _PAIRS[pi]:
-        cols[col] += 1
-    if (cols == 2).all():
-      pats.append(choice)
-  return tuple(pats)
-
-
-# PATTERNS[p] = (pair index of row 0, ..., row 3); the order fixes tie-breaks.
-PATTERNS = _enumerate_patterns()
-assert len(PATTERNS) == 90
-
-
-def _pattern_matrix() -> np.ndarray:
-  """[90, 16] 0/1 matrix, entry 4r + c set when the pattern keeps (r, c)."""
-  m = np.zeros((len(PATTERNS), 16), np.float32)
-  for p, choice in enumerate(PATTERNS):
-    for r, pi in enumerate(choice):
-      for col in _PAIRS[pi]:
-        m[p, 4 * r + col] = 1
-  return m
-
-
-PATTERN_MATRIX = _pattern_matrix()
+# [90, 16] 0/1 matrix, entry 4r + c set when pattern p keeps (r, c); the
+# pattern order (it decides ties) is the reference's.
+PATTERN_MATRIX = masks.TRANSPOSABLE_PATTERNS.reshape(-1, 16).astype(np.float32)
 # 16-bit code per pattern: bit 4r + c.
 PATTERN_CODES = tuple(
     int(sum(1 << i for i in range(16) if PATTERN_MATRIX[p, i]))
-    for p in range(len(PATTERNS)))
+    for p in range(len(PATTERN_MATRIX)))
 
 
 @dataclasses.dataclass(frozen=True)
-class TransposableMaskConfig:
+class TransposableMaskConfig(c.BlockConfig):
   """Tile of W per program (powers of two, multiples of 4; >= 32 on the
   axes that carry compressed metadata when with_compressed=True). The tile
   holds (block_rows/4) * (block_cols/4) 4x4 blocks, the M of the scoring
@@ -86,12 +60,9 @@ class TransposableMaskConfig:
   so 32 x 32 (64 blocks) is a moderate default."""
   block_rows: int = 32
   block_cols: int = 32
-  num_warps: int = 4
-  num_stages: int = 1
 
   def __post_init__(self):
-    c.check_pow2("block_rows", self.block_rows)
-    c.check_pow2("block_cols", self.block_cols)
+    super().__post_init__()
     if self.block_rows < 4 or self.block_cols < 4:
       raise ValueError("blocks must hold at least one 4x4 block.")
 
@@ -106,11 +77,12 @@ def _bitrev4(i: int) -> int:
 def _kernel_tables():
   """(pattern matrix [16, 128] f32 with rows in stacked-column order,
   codes [1, 128] int32); pad columns are zero with pattern 0's code."""
+  n = len(PATTERN_CODES)
   pm = np.zeros((16, _NUM_PADDED), np.float32)
   for i in range(16):
-    pm[_bitrev4(i), :len(PATTERNS)] = PATTERN_MATRIX[:, i]
+    pm[_bitrev4(i), :n] = PATTERN_MATRIX[:, i]
   codes = np.full((1, _NUM_PADDED), PATTERN_CODES[0], np.int32)
-  codes[0, :len(PATTERNS)] = PATTERN_CODES
+  codes[0, :n] = PATTERN_CODES
   return pm, codes
 
 
@@ -258,52 +230,12 @@ def transposable_mask24(w: jax.Array, *, with_compressed: bool = False,
 
 
 def transposable_mask_reference(w: jax.Array) -> jax.Array:
-  """DESIGN.md's formulation: [blocks, 16] x [16, 90] scores, argmax."""
-  *lead, r, k = w.shape
-  b = jnp.abs(w.astype(jnp.float32)).reshape(*lead, r // 4, 4, k // 4, 4)
-  b = jnp.swapaxes(b, -3, -2)                       # [..., R/4, C/4, 4, 4]
-  flat = b.reshape(*b.shape[:-2], 16)
-  scores = jnp.einsum("...i,pi->...p", flat, jnp.asarray(PATTERN_MATRIX),
-                      precision=lax.Precision.HIGHEST)
-  best = jnp.argmax(scores, axis=-1)                # first max on ties
-  pm = jnp.asarray(PATTERN_MATRIX, bool)[best]      # [..., R/4, C/4, 16]
-  pm = jnp.swapaxes(pm.reshape(*pm.shape[:-1], 4, 4), -3, -2)
-  return pm.reshape(w.shape)
+  """The reference: `s24jax.masks.transposable_mask` (scores, argmax)."""
+  return masks.transposable_mask(w)
 
 
 def transposable_compressed_reference(w: jax.Array):
   """(mask, (values, meta), (values_t, meta_t)) in plain jnp."""
-  from kernels.sparsify24 import compress24_reference
   mask = transposable_mask_reference(w)
   return (mask, compress24_reference(w, mask),
           compress24_reference(w.T, mask.T))
-
-
-def _main(argv):
-  interpret = c.main_mode(argv)
-  if interpret is None:
-    return
-  shapes = [(32, 64)] if interpret else [(3072, 768), (768, 3072),
-                                         (6400, 1600), (1600, 6400)]
-  dtype = jnp.float32 if interpret else jnp.bfloat16
-  rows = []
-  for shape in shapes:
-    w = jax.random.randint(jax.random.key(0), shape, -8, 8).astype(dtype)
-    for wc in (False, True):
-      fast = jax.jit(functools.partial(transposable_mask24, with_compressed=wc,
-                                       interpret=interpret))
-      ref = jax.jit(transposable_compressed_reference if wc
-                    else transposable_mask_reference)
-      got, want = fast(w), ref(w)
-      ok = all(bool(jnp.array_equal(a, b)) for a, b in
-               zip(jax.tree.leaves(got), jax.tree.leaves(want)))
-      reps = 3 if interpret else 50
-      t_k, t_r = c.time_fn(fast, w, reps=reps), c.time_fn(ref, w, reps=reps)
-      rows.append(dict(shape=shape, compressed=wc, match=ok,
-                       kernel_us=t_k * 1e6, xla_us=t_r * 1e6,
-                       speedup=t_r / t_k))
-  c.print_table(rows)
-
-
-if __name__ == "__main__":
-  _main(sys.argv[1:])

@@ -10,7 +10,9 @@ Format, for x [R, C] with blocks of V rows x M columns (C = contraction axis):
             shared by the V rows of a block, chosen to maximise the kept
             magnitude: all C(M, 4) subsets are enumerated (70 for M = 8);
             score(S) = sum over the V rows of the two largest |x| in S; the
-            first best subset in lexicographic order wins ties.
+            first best subset in lexicographic order wins ties (exactly
+            `s24jax.masks.venom_select` with n = 2, the reference; see
+            docs/algorithms.md, "V:N:M activation sparsity").
   * values  [R, 2 * C/M]: per row and block, the two kept values (2:4 inside
             the 4 chosen columns: the two largest |x|, ties to the lower).
   * meta    [R, ceil((C/M) / 8)] uint32: per row and block, the positions
@@ -33,7 +35,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import sys
 
 import jax
 from jax import lax
@@ -41,6 +42,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from kernels import _common as c
+from kernels.sparsify24 import compress24_reference
+from s24jax import masks
 
 
 def column_subsets(m: int) -> tuple[tuple[int, int, int, int], ...]:
@@ -49,18 +52,15 @@ def column_subsets(m: int) -> tuple[tuple[int, int, int, int], ...]:
 
 
 @dataclasses.dataclass(frozen=True)
-class VenomConfig:
+class VenomConfig(c.BlockConfig):
   """block_blocks: column blocks per program (power of two, >= 8 so a tile
   holds whole metadata words; >= 16 for the matmul's MMA K). block_n: output
   features per matmul program."""
   block_blocks: int = 16
   block_n: int = 64
-  num_warps: int = 4
-  num_stages: int = 1
 
   def __post_init__(self):
-    c.check_pow2("block_blocks", self.block_blocks)
-    c.check_pow2("block_n", self.block_n)
+    super().__post_init__()
     if self.block_blocks < c.GROUPS_PER_WORD:
       raise ValueError("block_blocks must be >= 8 (one metadata word).")
 
@@ -181,22 +181,16 @@ def venom_decompress(values, meta, cols, v: int, m: int) -> jax.Array:
 
 
 def venom_reference(x: jax.Array, v: int = 16, m: int = 8):
-  """Plain-jnp reference of `venom_compress` (same tie rules)."""
+  """Plain-jnp reference of `venom_compress`: the selection is
+  `s24jax.masks.venom_select` (n = 2), compressed in the package format."""
   _check_vm(x.shape, v, m)
   r, cdim = x.shape
   blocks = cdim // m
-  subs = jnp.asarray(column_subsets(m), jnp.int32)            # [S, 4]
-  xb = x.reshape(r // v, v, blocks, m)
-  mag = jnp.abs(xb.astype(jnp.float32))
-  cand = mag[..., subs]                                        # [.., S, 4]
-  top2 = jnp.sort(cand, axis=-1)[..., 2:].sum(-1)              # [R/V,V,B,S]
-  score = top2.sum(axis=1)                                     # [R/V, B, S]
-  best = jnp.argmax(score, axis=-1)                            # first max
-  cols = subs[best]                                            # [R/V, B, 4]
-  idx = jnp.broadcast_to(cols[:, None], (r // v, v, blocks, 4))
-  cond = jnp.take_along_axis(xb, idx, axis=-1).reshape(r, 4 * blocks)
-  from kernels.sparsify24 import compress24_reference
-  values, meta = compress24_reference(cond)
+  mask, cols = masks.venom_select(x, v, 2, m)                  # cols [R/V, B, 4]
+  idx = jnp.repeat(cols, v, axis=0)                            # [R, B, 4]
+  take = lambda a: jnp.take_along_axis(a.reshape(r, blocks, m), idx,
+                                       axis=-1).reshape(r, 4 * blocks)
+  values, meta = compress24_reference(take(x), take(mask))
   return values, meta, cols
 
 
@@ -289,39 +283,3 @@ def venom_matmul_reference(values, meta, cols, w2, *, v: int, m: int):
   prec = lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
   return jnp.dot(x, w2.T, precision=prec,
                  preferred_element_type=jnp.float32).astype(x.dtype)
-
-
-def _main(argv):
-  interpret = c.main_mode(argv)
-  if interpret is None:
-    return
-  dtype = jnp.float32 if interpret else jnp.bfloat16
-  cases = ([(16, 32, 128)] if interpret else
-           [(t, d, 4 * d) for d in (768, 1600) for t in (256, 4096, 16384)])
-  v, m = 16, 8
-  rows = []
-  for t, d, h in cases:
-    kx, kw = jax.random.split(jax.random.key(0))
-    x = jax.nn.relu(jax.random.normal(kx, (t, h), dtype)) ** 2
-    w2 = jax.random.normal(kw, (d, h), dtype)
-    comp = jax.jit(functools.partial(venom_compress, v=v, m=m,
-                                     interpret=interpret))
-    comp_ref = jax.jit(functools.partial(venom_reference, v=v, m=m))
-    got, want = comp(x), comp_ref(x)
-    ok = all(bool(jnp.array_equal(a, b)) for a, b in zip(got, want))
-    mm = jax.jit(functools.partial(venom_matmul, v=v, m=m, interpret=interpret))
-    dense = jax.jit(lambda x, w: jnp.dot(x, w.T, preferred_element_type=jnp.float32).astype(x.dtype))
-    xs = venom_decompress(*got, v, m)
-    reps = 3 if interpret else 50
-    t_c, t_cr = c.time_fn(comp, x, reps=reps), c.time_fn(comp_ref, x, reps=reps)
-    t_m, t_d = (c.time_fn(mm, *got, w2, reps=reps),
-                c.time_fn(dense, xs, w2, reps=reps))
-    rows.append(dict(tokens=t, d=d, hidden=h, compress_match=ok,
-                     compress_us=t_c * 1e6, compress_xla_us=t_cr * 1e6,
-                     matmul_us=t_m * 1e6, dense_xla_us=t_d * 1e6,
-                     matmul_speedup=t_d / t_m))
-  c.print_table(rows)
-
-
-if __name__ == "__main__":
-  _main(sys.argv[1:])

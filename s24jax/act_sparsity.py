@@ -206,16 +206,12 @@ register_act_backend("xla", ActBackend(select=masks.venom_select))
 # ----------------------------------------------------------------------------------------
 
 
-def _interpret() -> bool:
-  return jax.default_backend() == "cpu"
-
-
 def _pallas_select(h2: jax.Array, v: int, n: int, m: int):
-  from kernels import venom   # pylint: disable=g-import-not-at-top
+  from kernels import interpret_default, venom   # pylint: disable=g-import-not-at-top
   if n != 2:
     raise ValueError(f"act_sparsity.backend='pallas' (kernels/venom.py) keeps 2 of the 4 "
                      f"chosen columns; got act_sparsity.n={n}.")
-  values, vmeta, cols = venom.venom_compress(h2, v, m, interpret=_interpret())
+  values, vmeta, cols = venom.venom_compress(h2, v, m, interpret=interpret_default())
   ones = jnp.ones_like(values)
   mask = venom.venom_decompress(ones, vmeta, cols, v, m) != 0        # exact kept positions
   return mask, (values, vmeta, cols)
@@ -223,9 +219,9 @@ def _pallas_select(h2: jax.Array, v: int, n: int, m: int):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def _pallas_matmul_op(h_sparse, w, values, vmeta, cols, v, m):
-  from kernels import venom   # pylint: disable=g-import-not-at-top
+  from kernels import interpret_default, venom   # pylint: disable=g-import-not-at-top
   return venom.venom_matmul(values, vmeta, cols, w.astype(values.dtype), v=v, m=m,
-                            interpret=_interpret())
+                            interpret=interpret_default())
 
 
 def _pallas_matmul_fwd(h_sparse, w, values, vmeta, cols, v, m):

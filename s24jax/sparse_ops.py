@@ -1,6 +1,6 @@
 """The fully sparse linear op: all three GEMMs of a linear layer 2:4 sparse (Hu et al. 2024).
 
-For y = x W~^T with x (N, in) tokens and W~ (out, in) the projected weight (DESIGN.md sec. 4):
+For y = x W~^T with x (N, in) tokens and W~ (out, in) the projected weight (docs/algorithms.md):
 
   forward   y  = x W~^T          W~ is 2:4 along `in`                  (_fwd_gemm)
   data grad dX = dY W~           W~ is 2:4 along `out` too when its mask is transposable
@@ -37,7 +37,7 @@ s24jax/mst.py): compress24 keeps the two largest |W~| per group. Off a GPU the k
 Pallas interpret mode (slow, exact: CPU tests exercise the same code). FP8 is xla-only.
 
 The key: MVUE needs randomness in the backward pass. The caller passes a PRNG key per layer
-and per step (`SparseLinear` draws it with `make_rng('mvue')` from the `rngs={'mvue': ...}`
+and per step (`SparseLinear` draws it with `make_rng('sparsity')` from the `rngs={'sparsity': ...}`
 that `train.train_step` derives from fold_in(state.rng, step)). A key of None is fine for a
 forward-only call; differentiating with mvue on and no key raises.
 """
@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import math
 
 import jax
@@ -108,7 +107,7 @@ def _wgrad_operand(dy: jax.Array, key: jax.Array | None, opts: GemmOptions) -> j
     return dy_t
   if key is None:
     raise ValueError("the sparse linear op has sparsity.mvue=True but got no PRNG key: "
-                     "apply the model with rngs={'mvue': key} when taking gradients "
+                     "apply the model with rngs={'sparsity': key} when taking gradients "
                      "(train.train_step does).")
   n = dy_t.shape[-1]
   if n % 4:
@@ -152,17 +151,6 @@ _sparse_linear_2d.defvjp(_sparse_linear_2d_fwd, _sparse_linear_2d_bwd)
 # The Pallas backends: forward and data gradient on compress24(W~), dense (MVUE) weight grad.
 
 
-def _kernel_matmul_module():
-  """kernels/sparse24_matmul.py, the module (`kernels.sparse24_matmul` is the function that
-  shadows it). Imported on first use, so the xla backend never loads Pallas."""
-  return importlib.import_module("kernels.sparse24_matmul")
-
-
-def _interpret() -> bool:
-  """Pallas interpret mode off a GPU, so CPU tests run the same kernels (slowly, exactly)."""
-  return jax.default_backend() != "gpu"
-
-
 def uses_pallas_kernels(backend: str, tokens: int, out_features: int,
                         in_features: int) -> bool:
   """Whether a sparse layer with these (static) sizes runs the Pallas kernels: always for
@@ -171,7 +159,8 @@ def uses_pallas_kernels(backend: str, tokens: int, out_features: int,
   if backend == "pallas_always":
     return True
   if backend == "pallas":
-    return _kernel_matmul_module().should_use_pallas_matmul(tokens, out_features, in_features)
+    import kernels   # pylint: disable=g-import-not-at-top  (Pallas only when used)
+    return kernels.should_use_pallas_matmul(tokens, out_features, in_features)
   return False
 
 
@@ -179,30 +168,34 @@ def _compress(w: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
   """compress24(W~) in the compute dtype: values (out, in/2), meta (out, ceil(in/32)) uint32.
   W~ is 2:4 already, so the kernel's top-2-of-|W~| keeps exactly its non-zeros."""
   import kernels   # pylint: disable=g-import-not-at-top  (Pallas only when used)
-  return kernels.compress24(w.astype(dtype), interpret=_interpret())
+  return kernels.compress24(w.astype(dtype), interpret=kernels.interpret_default())
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _pallas_linear_2d(opts: GemmOptions, x: jax.Array, w: jax.Array,
                       key: jax.Array | None) -> jax.Array:
+  import kernels   # pylint: disable=g-import-not-at-top
   values, meta = _compress(w, x.dtype)
-  return _kernel_matmul_module().sparse24_matmul(x, values, meta,
-                                                 interpret=_interpret())  # (N, out)
+  return kernels.sparse24_matmul(x, values, meta,
+                                 interpret=kernels.interpret_default())  # (N, out)
 
 
 def _pallas_linear_2d_fwd(opts, x, w, key):
+  import kernels   # pylint: disable=g-import-not-at-top
   values, meta = _compress(w, x.dtype)                     # (out, in/2), (out, in/32)
-  y = _kernel_matmul_module().sparse24_matmul(x, values, meta,
-                                              interpret=_interpret())   # (N, out)
+  y = kernels.sparse24_matmul(x, values, meta,
+                              interpret=kernels.interpret_default())   # (N, out)
   # The compressed operand (~56% of W~'s bytes) is what dX needs; w itself only for its
   # dtype (a zero-size array: residuals must be arrays).
   return y, (x, values, meta, jnp.zeros((0,), w.dtype), key)
 
 
 def _pallas_linear_2d_bwd(opts, res, dy):
+  import kernels   # pylint: disable=g-import-not-at-top
   x, values, meta, w_dtype_like, key = res
-  dx = _kernel_matmul_module().sparse24_matmul_dx(
-      dy.astype(values.dtype), values, meta, interpret=_interpret()).astype(x.dtype)  # (N, in)
+  dx = kernels.sparse24_matmul_dx(
+      dy.astype(values.dtype), values, meta,
+      interpret=kernels.interpret_default()).astype(x.dtype)            # (N, in)
   # dL/dW~ at every position, pruned ones included (what STE-style projections map to dW).
   dw = _wgrad_gemm(dy, x.astype(dy.dtype), key, opts).astype(w_dtype_like.dtype)  # (out, in)
   dkey = None if key is None else np.zeros(key.shape, jax.dtypes.float0)

@@ -1,6 +1,5 @@
-"""kernels.sparse24_matmul: forward, custom_vjp gradients, dispatch helper."""
-import importlib
-
+"""kernels.compressed_matmul: sparse24_matmul forward, custom_vjp gradients,
+dispatch helper."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,11 +7,10 @@ import pytest
 
 import kernels
 from kernels import _common as c
+from kernels import compressed_matmul as sm
 from kernels import sparsify24 as sp
-from kernels._testing import MODES, assert_lowers_to_triton
+from kernels._testing import MODES, assert_lowers_to_triton, np_decompress
 
-# The package attribute is the function; the module is imported by name.
-sm = importlib.import_module("kernels.sparse24_matmul")
 CFG = sm.Sparse24MatmulConfig()
 REF = jax.jit(sm.sparse24_matmul_reference)
 COMPRESS = jax.jit(sp.compress24_reference)
@@ -24,20 +22,6 @@ def _operands(m, n, k, dtype=jnp.float32, seed=0):
   values, meta = COMPRESS(jax.random.normal(kw, (n, k), dtype))
   dy = jax.random.normal(kd, (m, n), dtype)
   return x, values, meta, dy
-
-
-def _np_dense(values, meta):
-  """NumPy decompression straight from the documented format."""
-  values = np.asarray(values, np.float32)
-  meta = np.asarray(meta)
-  n, half = values.shape
-  w = np.zeros((n, 2 * half), np.float32)
-  for r in range(n):
-    for g in range(half // 2):
-      nib = (int(meta[r, g // 8]) >> (4 * (g % 8))) & 15
-      w[r, 4 * g + (nib & 3)] = values[r, 2 * g]
-      w[r, 4 * g + (nib >> 2)] = values[r, 2 * g + 1]
-  return w
 
 
 # (tokens, out, in): tile-aligned, every axis padded, K % 64 != 0 and a
@@ -59,7 +43,7 @@ def test_forward_and_gradients(interpret, m, n, k):
   f = _call(interpret)
   y, vjp = jax.vjp(lambda x, v: f(x, v, meta), x, values)
   assert y.shape == (m, n) and y.dtype == x.dtype
-  w = _np_dense(values, meta)
+  w = np_decompress(values, meta)
   np.testing.assert_allclose(np.asarray(y), np.asarray(x) @ w.T, rtol=1e-5,
                              atol=1e-4)
   np.testing.assert_allclose(np.asarray(y), np.asarray(REF(x, values, meta)),
@@ -73,7 +57,7 @@ def test_forward_and_gradients(interpret, m, n, k):
                              atol=1e-4)
   # dvalues = dense dW = dy^T x sampled at the kept positions (NumPy).
   dw = np.asarray(dy).T @ np.asarray(x)
-  nz = _np_dense(jnp.arange(values.size, dtype=jnp.float32).reshape(
+  nz = np_decompress(jnp.arange(values.size, dtype=jnp.float32).reshape(
       values.shape) + 1, meta)
   want = np.zeros(values.shape, np.float32)
   for (r, col) in zip(*np.nonzero(nz)):

@@ -1,6 +1,6 @@
-"""kernels.gated_act: fused GEGLU / SwiGLU forward and custom_vjp backward."""
+"""kernels.gated_activation: fused GEGLU / SwiGLU forward and custom_vjp
+backward."""
 import functools
-import importlib
 
 import jax
 import jax.numpy as jnp
@@ -8,10 +8,9 @@ import numpy as np
 import pytest
 
 import kernels
+from kernels import gated_activation as ga
 from kernels._testing import MODES, assert_lowers_to_triton
 
-# The package attribute is the function; the module is imported by name.
-ga = importlib.import_module("kernels.gated_act")
 CFG = ga.GatedActConfig()
 VARIANTS = [("geglu", True), ("geglu", False), ("swiglu", True)]
 

@@ -13,7 +13,7 @@ import pytest
 import kernels
 from kernels import _common as c
 from kernels import sparsify24 as sp
-from kernels._testing import MODES, assert_lowers_to_triton
+from kernels._testing import MODES, assert_lowers_to_triton, np_pack_meta
 from s24jax.masks import nm_mask
 
 CFG = sp.Sparsify24Config()
@@ -23,21 +23,6 @@ SOFT_REF = jax.jit(sp.soft_compress24_reference)
 SOFT_DENSE = jax.jit(sp.soft_threshold24_reference)
 DECOMP = jax.jit(kernels.decompress24)
 HARD_DENSE = jax.jit(lambda w: jnp.where(nm_mask(w), w, 0))
-
-
-def _np_pack(idx, k):
-  """idx [rows, G, 2] sorted positions -> meta [rows, ceil(K/32)] (NumPy)."""
-  rows, g, _ = idx.shape
-  meta = np.zeros((rows, c.meta_words(k)), np.uint64)
-  for r in range(rows):
-    for q in range(meta.shape[1]):
-      word = 0
-      for s in range(8):
-        gi = 8 * q + s
-        nib = (idx[r, gi, 0] | (idx[r, gi, 1] << 2)) if gi < g else c.EMPTY_NIBBLE
-        word |= int(nib) << (4 * s)
-      meta[r, q] = word
-  return meta.astype(np.uint32)
 
 
 def np_compress(w, positions_fn, value_fn=None):
@@ -54,7 +39,7 @@ def np_compress(w, positions_fn, value_fn=None):
       idx[r, g] = pos
       vv = value_fn(grp) if value_fn else grp
       vals[r, g] = vv[pos]
-  meta = _np_pack(idx, k).reshape(*lead, -1)
+  meta = np_pack_meta(idx, k).reshape(*lead, -1)
   return vals.reshape(*lead, k // 2), meta
 
 

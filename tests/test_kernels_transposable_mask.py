@@ -31,7 +31,7 @@ BRUTE = _all_patterns_brute_force()
 
 
 def test_pattern_enumeration():
-  assert len(BRUTE) == 90 == len(tm.PATTERNS)
+  assert len(BRUTE) == 90 == len(tm.PATTERN_MATRIX) == len(tm.PATTERN_CODES)
   ours = {tuple(r) for r in tm.PATTERN_MATRIX.astype(int)}
   assert ours == {tuple(p.reshape(16)) for p in BRUTE}
   for p, code in enumerate(tm.PATTERN_CODES):
