@@ -27,30 +27,32 @@ whether the flip-rate warning was on at the last log (`flip_warn`).
 """
 from __future__ import annotations
 
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from s24jax import compare  # pylint: disable=g-import-not-at-top
+from s24jax import compare
 
 SR_STE = "experiments/gpt2_sr_ste.py:tiny"
 RECIPE = "experiments/gpt2_t_sr_ste_df.py:tiny"
-AUTO = {"sparsity.decay": 0.0, "sparsity.decay_auto": True, "sparsity.decay_auto_steps": 200}
+
+def _auto(method: str) -> dict:
+  """lambda_W chosen by the warm-up controller during steps [100, 200)."""
+  return {f"sparsity.{method}.decay": 0.0, f"sparsity.{method}.decay_auto": True,
+          f"sparsity.{method}.decay_auto_steps": 200}
+
 
 RUNS = [
     compare.Run("dense", "experiments/gpt2_dense.py:tiny"),
     compare.Run("ste", "experiments/gpt2_ste.py:tiny"),
-    compare.Run("sr_ste_grad", SR_STE, {"sparsity.decay": 6e-5,
-                                        "sparsity.decay_placement": "gradients"}),
-    compare.Run("sr_ste_weights", SR_STE, {"sparsity.decay": 6e-5,
-                                           "sparsity.decay_placement": "weights"}),
+    compare.Run("sr_ste_grad", SR_STE, {"sparsity.sr_ste.decay": 6e-5,
+                                        "sparsity.sr_ste.decay_placement": "gradients"}),
+    compare.Run("sr_ste_weights", SR_STE, {"sparsity.sr_ste.decay": 6e-5,
+                                           "sparsity.sr_ste.decay_placement": "weights"}),
     compare.Run("recipe", RECIPE),
-    compare.Run("sr_ste_grad_auto", SR_STE, {**AUTO, "sparsity.decay_placement": "gradients"}),
-    compare.Run("recipe_auto", RECIPE, {**AUTO, "sparsity.mask_refresh_every": 10}),
+    compare.Run("sr_ste_grad_auto", SR_STE, {**_auto("sr_ste"),
+                                             "sparsity.sr_ste.decay_placement": "gradients"}),
+    compare.Run("recipe_auto", RECIPE, {**_auto("t_sr_ste"),
+                                        "sparsity.t_sr_ste.mask_refresh_every": 10}),
     # Ablations of the recipe: what MVUE and the 40-step mask refresh cost.
     compare.Run("recipe_no_mvue", RECIPE, {"sparsity.mvue": False}),
-    compare.Run("recipe_refresh1", RECIPE, {"sparsity.mask_refresh_every": 1}),
+    compare.Run("recipe_refresh1", RECIPE, {"sparsity.t_sr_ste.mask_refresh_every": 1}),
 ]
 
 EXTRA = {"train/sparsity/decay": "lambda", "train/transposable_kept_ratio": "kept_ratio",

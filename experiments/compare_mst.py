@@ -19,11 +19,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from s24jax import compare  # pylint: disable=wrong-import-position
+from s24jax import compare
 
 FLOP_KEYS = ("flops_total", "flops_reduction", "flops_reduction_no_head")
 
@@ -41,7 +38,7 @@ def main() -> None:
       compare.Run("dense", f"experiments/gpt2_dense.py:{args.variant}", dict(common)),
       compare.Run("mst", f"experiments/gpt2_mst.py:{args.variant}", dict(common)),
       compare.Run("mst_no_sparse_attention", f"experiments/gpt2_mst.py:{args.variant}",
-                  {**common, "mst.sparse_attention": "causal"}),
+                  {**common, "sparsity.mst.sparse_attention": "causal"}),
   ]
   table = compare.run_all(runs, args.root, extra_keys=FLOP_KEYS)
   print(table)

@@ -23,19 +23,16 @@ a recomputed beta ends larger than the fixed one.
 from __future__ import annotations
 
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from s24jax import compare  # pylint: disable=g-import-not-at-top
-from s24jax import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
+from s24jax import compare
+from s24jax import metrics as metrics_lib
 
 S_STE = "experiments/gpt2_s_ste.py:tiny"
 
 
 def _s_ste(name: str, *, mvue=False, fp8=False, rescale_every=0) -> compare.Run:
   return compare.Run(name, S_STE, {"sparsity.mvue": mvue, "sparsity.fp8": fp8,
-                                   "sparsity.rescale_every": rescale_every})
+                                   "sparsity.s_ste.rescale_every": rescale_every})
 
 
 RUNS = [

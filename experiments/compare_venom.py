@@ -13,7 +13,7 @@ Runs (each its own workdir under --root; finished ones are reused, not redone):
                    dense (experiments/gpt2_venom.py)
 
 Every run logs the activation statistics on the whole step batch at every log step
-(act_stats_sequences = 16, i.e. the 1024 tokens of the tiny batch = 16 blocks of V=64).
+(act_sparsity.stats_sequences = 16, i.e. the 1024 tokens of the tiny batch = 16 blocks of V=64).
 Columns beyond the standard ones (s24jax.compare):
   zeros_end, kept_l1_end  exact-zero share and V:N:M kept-L1 share of the FFN activations,
                           mean over layers, at the last log step (dense phase if any);
@@ -24,24 +24,21 @@ Columns beyond the standard ones (s24jax.compare):
 from __future__ import annotations
 
 import os
-import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from s24jax import compare  # pylint: disable=g-import-not-at-top
-from s24jax import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
-from s24jax import schedules  # pylint: disable=g-import-not-at-top
+from s24jax import compare
+from s24jax import metrics as metrics_lib
+from s24jax.methods import base as methods_base
 
 VENOM = "experiments/gpt2_venom.py:tiny"
-STATS = {"act_stats_sequences": 16}
+STATS = {"act_sparsity.stats_sequences": 16}
 
 RUNS = [
     compare.Run("gelu_dense", "experiments/gpt2_dense.py:tiny", dict(STATS)),
     compare.Run("relu2_dense", "experiments/gpt2_relu2_dense.py:tiny", dict(STATS)),
     compare.Run("relu2_act_vnm", VENOM, {**STATS, "sparsity.projection": "dense"}),
-    compare.Run("relu2_w24", VENOM, {**STATS, "sparsity.act_sparsity": "none"}),
+    compare.Run("relu2_w24", VENOM, {**STATS, "act_sparsity.kind": "none"}),
     compare.Run("venom_recipe", VENOM, dict(STATS)),
 ]
 
@@ -52,8 +49,7 @@ def _extra_table(runs, root: str) -> str:
   for r in runs:
     records = metrics_lib.read_jsonl(os.path.join(root, r.name, "metrics.jsonl"))
     cfg = compare.load_config(r.config, r.overrides)
-    dense_from = schedules.dense_finetune_start(cfg.total_steps,
-                                                cfg.sparsity.dense_finetune_fraction)
+    dense_from = methods_base.dense_finetune_start(cfg)
     _, zeros = metrics_lib.series(records, "act/zero_frac")
     _, kept = metrics_lib.series(records, "act/kept_l1")
     steps, val = metrics_lib.series(records, "val/loss")

@@ -1,6 +1,6 @@
 """V:N:M activation sparsity for the FFN (Haziza et al. 2025/2026) and its measurement.
 
-The recipe (DESIGN.md section 4, "Activation sparsity"): a Squared-ReLU FFN whose hidden
+The recipe (docs/algorithms.md, "Activation sparsity, V:N:M"): a Squared-ReLU FFN whose hidden
 activations h = relu(x W1^T)^2, the input of the second FFN matmul, are made V:N:M sparse
 in the forward pass (VENOM: blocks of V token-rows x M hidden columns; 4 columns chosen per
 block, shared by its V rows; every row keeps its N largest of those 4), combined with 2:4

@@ -1,6 +1,6 @@
 """Attention patterns: which (query, key) pairs a causal attention layer may use.
 
-Hybrid Sparse Attention (MST, Hu, Li, Huang; DESIGN.md section 4) trains with a sparse
+Hybrid Sparse Attention (MST, Hu, Li, Huang; docs/algorithms.md) trains with a sparse
 causal pattern during a window of training and with dense causal attention otherwise:
 
   causal         q >= k                                   (dense causal; every earlier token)

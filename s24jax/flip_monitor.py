@@ -1,6 +1,6 @@
 """A warning when the flip rate stays too high: the symptom of unstable 2:4 training.
 
-Healthy sparse runs have a flip rate that rises early then decays (DESIGN.md section 4); one
+Healthy sparse runs have a flip rate that rises early then decays (docs/algorithms.md, Flip rate); one
 that stays above a threshold for several consecutive logs means the mask keeps churning
 (too little masked decay, too high a learning rate). A single high log is common early in
 training, so the warning waits for `patience` consecutive logs above the threshold.

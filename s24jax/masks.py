@@ -1,11 +1,11 @@
 """Pure N:M sparsity math: masks, flip rate, the MVUE 2:4 estimator. No autodiff rules here.
 
-Convention (DESIGN.md section 4): W is [out, in]; y = x W^T contracts over `in`, so the
+Convention (docs/algorithms.md, Notation): W is [out, in]; y = x W^T contracts over `in`, so the
 groups of M consecutive entries run along the *last* axis. Every function is vectorised and
 jit-friendly: shapes and the small combinatorial tables (the 90 transposable patterns, the
 column subsets of VENOM) are static, so nothing loops over data at trace or run time.
 
-Public contract (DESIGN.md section 7): `nm_mask`, `transposable_mask`, `flip_rate`, `mvue24`,
+Public names (used by notebooks, docs and outside checks): `nm_mask`, `transposable_mask`, `flip_rate`, `mvue24`,
 `venom_mask`. The other public helpers (`transposable_kept_ratio`, `mvue24_inclusion_prob`,
 `mvue24_variance`, `venom_select`, `TRANSPOSABLE_PATTERNS`) exist for reporting, kernels and
 tests.
@@ -67,7 +67,7 @@ def nm_mask(w: jax.Array, n: int = 2, m: int = 4) -> jax.Array:
 
 
 def flip_rate(mask_new: jax.Array, mask_old: jax.Array) -> jax.Array:
-  """Fraction of entries whose mask bit changed between two steps (DESIGN.md: r_t)."""
+  """Fraction of entries whose mask bit changed between two steps (docs/algorithms.md, Flip rate: r_t)."""
   return jnp.mean((mask_new != mask_old).astype(jnp.float32))
 
 

@@ -2,7 +2,7 @@
 
 Every linear layer of the model is a `SparseLinear`; whether it is 2:4 sparse is decided by
 matching its module path against `SparsityConfig.sparse_layers`. The kernel is stored as
-W [out, in] (DESIGN.md notation) so that the 2:4 groups run along the last axis.
+W [out, in] (docs/algorithms.md, Notation) so that the 2:4 groups run along the last axis.
 
 `linear(x, w_tilde, backend=..., sparse=...)` is the single place where y = x W~^T is
 computed. Sparse layers go through the three-GEMM op `sparse_ops.sparse_linear` (forward,

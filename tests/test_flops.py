@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from s24jax import flops
-from s24jax import mst
+from s24jax.methods import mst
 from s24jax.config import apply_variant, base_config
 
 
@@ -29,7 +29,7 @@ def _config(activation="gelu", **mst_overrides):
   c.model.activation = activation
   c.model.attention_stride = 4
   for k, v in mst_overrides.items():
-    c.mst[k] = v
+    c.sparsity.mst[k] = v
   return c
 
 

@@ -13,7 +13,10 @@ import pytest
 
 from s24jax import checkpoint as ckpt_lib
 from s24jax import loop
-from s24jax import mst
+from s24jax import losses
+from s24jax import methods
+from s24jax import model as model_lib
+from s24jax.methods import mst
 from s24jax import state as state_lib
 from s24jax import train
 from s24jax.config import apply_variant, base_config
@@ -165,17 +168,22 @@ def test_uniform_and_bad_distribution():
 
 def _mst_cfg(**kw):
   c = tiny_config("mst", steps=1000)
-  c.mst.initial_sparsity, c.mst.target_sparsity = 0.0, 0.8
-  c.mst.ultra_sparsity, c.mst.final_sparsity = 0.9, 0.5
-  c.mst.phase_fractions, c.mst.ramp_fraction = (0.2, 0.5, 0.3), 0.5
+  m = c.sparsity.mst
+  m.initial_sparsity, m.target_sparsity = 0.0, 0.8
+  m.ultra_sparsity, m.final_sparsity = 0.9, 0.5
+  m.phase_fractions, m.ramp_fraction = (0.2, 0.5, 0.3), 0.5
   for k, v in kw.items():
-    c.mst[k] = v
+    m[k] = v
   return c
+
+
+def _method(c) -> mst.MST:
+  return methods.from_config(c)
 
 
 def test_sparsity_schedule_points():
   c = _mst_cfg()
-  m, T = c.mst, c.total_steps
+  m, T = _method(c), c.total_steps
   assert mst.phase_bounds(m, T) == [(0, 200), (200, 700), (700, 1000)]
   s = lambda t: mst.target_sparsity(m, t, T)   # pylint: disable=unnecessary-lambda-assignment
   assert s(0) == 0.0
@@ -193,51 +201,54 @@ def test_sparsity_schedule_points():
 
 def test_drop_fraction_cosine():
   c = _mst_cfg(drop_fraction=0.3)
-  m, T = c.mst, c.total_steps
+  m, T = _method(c), c.total_steps
   assert mst.drop_fraction(m, 0, T) == pytest.approx(0.3)
   assert mst.drop_fraction(m, 500, T) == pytest.approx(0.15)
   assert mst.drop_fraction(m, 250, T) == pytest.approx(0.15 * (1 + math.cos(math.pi / 4)))
   assert mst.drop_fraction(m, T, T) == pytest.approx(0.0)
   c = _mst_cfg(drop_fraction=0.3, anneal_per_phase=True)   # piecewise: restart per phase
-  assert mst.drop_fraction(c.mst, 200, T) == pytest.approx(0.3)
-  assert mst.drop_fraction(c.mst, 450, T) == pytest.approx(0.15)
-  assert mst.drop_fraction(c.mst, 700, T) == pytest.approx(0.3)
+  assert mst.drop_fraction(_method(c), 200, T) == pytest.approx(0.3)
+  assert mst.drop_fraction(_method(c), 450, T) == pytest.approx(0.15)
+  assert mst.drop_fraction(_method(c), 700, T) == pytest.approx(0.3)
 
 
 def test_attention_window():
   c = _mst_cfg(sparse_attention="strided", sparse_attention_start=0.25,
                sparse_attention_end=0.5)
-  assert mst.attention_window(c) == (250, 500)
-  assert [mst.attention_at(c, t) for t in (0, 249, 250, 499, 500)] == [
+  m = _method(c)
+  assert mst.attention_window(m, 1000) == (250, 500)
+  assert [mst.attention_at(m, t, 1000, "causal") for t in (0, 249, 250, 499, 500)] == [
       "causal", "causal", "strided", "strided", "causal"]
-  c.mst.sparse_attention = "causal"
-  assert mst.attention_at(c, 300) == "causal"
+  base_cfg = model_lib.model_config(c)
+  assert [m.model_at(t, base_cfg, c).attention for t in (249, 250)] == ["causal", "strided"]
+  c.sparsity.mst.sparse_attention = "causal"
+  assert mst.attention_at(_method(c), 300, 1000, "causal") == "causal"
 
 
 @pytest.mark.parametrize("field,value,match", [
     ("distribution", "random", "valid: erdos_renyi, uniform"),
     ("phase_fractions", (0.5, 0.6, 0.1), "summing to 1"),
     ("sparse_attention", "sliding", "valid: causal, strided, local_strided"),
-    ("update_every", 0, "update_every must be >= 1"),
+    ("update_every", 0, "update_every must be an integer >= 1"),
     ("ultra_sparsity", 1.5, "ultra_sparsity must be in"),
 ])
 def test_bad_config(field, value, match):
   c = _mst_cfg()
-  c.mst[field] = value
+  c.sparsity.mst[field] = value
   with pytest.raises(ValueError, match=match):
-    mst.check_config(c)
+    methods.from_config(c)
 
 
 def test_unstructured_masks_need_the_xla_backend():
   c = _mst_cfg()
   c.sparsity.backend = "pallas"
   with pytest.raises(ValueError, match="needs sparsity.backend='xla'"):
-    mst.check_config(c)
+    methods.from_config(c)
 
 
 def test_schedule_plot(tmp_path):
   c = _mst_cfg(sparse_attention="local_strided")
-  path = mst.plot_schedule(c, str(tmp_path / "s.png"),
+  path = mst.plot_schedule(_method(c), c, str(tmp_path / "s.png"),
                            measured={"step": [0, 500], "sparsity": [0.0, 0.9]})
   assert (tmp_path / "s.png").stat().st_size > 1000 and path.endswith("s.png")
 
@@ -250,7 +261,8 @@ def test_schedule_plot(tmp_path):
 def setup():
   config = tiny_config("mst", steps=100)
   config.sparsity.sparse_layers = ("*/attn/*", "*/mlp/*")
-  model, _, tx_fn = loop.build(config)
+  _, model_cfg, tx_fn = loop.build(config)
+  model = model_lib.GPT2(model_cfg)
   state = jax.jit(lambda: train.init_state(model, tx_fn, config.seed))()
   tx = tx_fn(state.params, state.sparsity)
   rng = np.random.default_rng(0)
@@ -272,7 +284,7 @@ def _run(state, batch, model, targets, drop_frac, share):
 
 def test_state_update_counts_zeroing_and_moments(setup):
   config, model, _, state, batch = setup
-  assert mst.enabled(config)
+  assert isinstance(model.config.sparsity.method, mst.MST)
   paths = state_lib.sparse_layer_paths(state.sparsity)
   assert [state_lib.layer_name(p) for p in paths] == [
       "h_0/attn/out", "h_0/attn/qkv", "h_0/mlp/fc", "h_0/mlp/proj"]
@@ -321,12 +333,12 @@ def test_gradient_growth_uses_the_dense_gradient(setup):
   shapes = mst.kernel_shapes(state.params, state.sparsity)
   targets = {state_lib.layer_name(p): n for p, n in mst.target_counts(shapes, 0.8).items()}
   state, _ = _run(state, batch, model, targets, 0.3, 0.75)          # prune to 80% first
-  dense_model = loop.build(config)[1]
+  dense_model = model_lib.GPT2(loop.build(config)[1].dense_twin())
   w_tilde = state_lib.mask_sparse_kernels(state.params, state.sparsity)
 
   def loss(params):
     logits = dense_model.apply({"params": params}, batch["inputs"])
-    return train.cross_entropy_sum(logits, batch["targets"]) / batch["targets"].size
+    return losses.cross_entropy_sum(logits, batch["targets"]) / batch["targets"].size
 
   grads = jax.jit(jax.grad(loss))(w_tilde)
   new, metrics = _run(state, batch, model, targets, 0.3, 1.0)

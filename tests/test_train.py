@@ -16,7 +16,8 @@ from flax import traverse_util
 
 from s24jax import checkpoint as ckpt_lib
 from s24jax import compare
-from s24jax import loop, projections, train
+from s24jax import loop, train
+from s24jax import model as model_lib
 from s24jax import state as state_lib
 
 from tiny import tiny_config
@@ -98,17 +99,20 @@ def test_dense_finetuning_switches_phase_and_starts_from_projected_weights(tmp_p
   assert flips == {1, 2}                                   # no mask in the dense phase
 
 
-def test_project_params_matches_projection():
-  model, _, tx_fn = loop.build(tiny_config("s_ste"))
-  st = train.init_state(model, tx_fn, 0)
-  projected = train.project_params(model, st.params, st.sparsity)
-  proj = projections.get_projection("s_ste")
+def test_entering_dense_finetuning_projects_the_sparse_kernels():
+  method, model_cfg, tx_fn = loop.build(tiny_config("s_ste"))
+  st = train.init_state(model_lib.GPT2(model_cfg), tx_fn, 0)
+  projected = method.enter(st, model_cfg.dense_twin()).params
   for path in state_lib.sparse_layer_paths(st.sparsity):
-    got = state_lib.get_path(projected, path)["kernel"]
-    want = proj.apply(state_lib.get_path(st.params, path)["kernel"],
-                      state_lib.get_path(st.sparsity, path), model.config.sparsity)
-    np.testing.assert_array_equal(got, want)
+    kernel = state_lib.get_path(st.params, path)["kernel"]
+    layer = state_lib.get_path(st.sparsity, path)
+    want = layer["scale"] * np.asarray(                     # beta * S(W), S per group of 4
+        jax.vmap(lambda g: jnp.sign(g) * jnp.maximum(jnp.abs(g) - jnp.sort(jnp.abs(g))[1], 0))(
+            kernel.reshape(-1, 4))).reshape(kernel.shape)
+    np.testing.assert_allclose(state_lib.get_path(projected, path)["kernel"], want, rtol=1e-6)
   np.testing.assert_array_equal(projected["wte"]["embedding"], st.params["wte"]["embedding"])
+  # Moving between two sparse models (e.g. an attention window) changes nothing.
+  assert method.enter(st, model_cfg) is st
 
 
 _MULTI = r"""
@@ -119,14 +123,14 @@ from s24jax import loop
 from tiny import tiny_config
 assert jax.device_count() == 4, jax.devices()
 loop.train_and_evaluate(tiny_config("sr_ste", steps=4, workdir_cache={cache!r},
-                                    sparsity__decay=1e-2), {workdir!r})
+                                    sparsity__sr_ste__decay=1e-2), {workdir!r})
 """
 
 
 def test_four_devices_match_one_device(tmp_path, data_cache):
   one = str(tmp_path / "one")
   loop.train_and_evaluate(tiny_config("sr_ste", steps=4, workdir_cache=data_cache,
-                                      sparsity__decay=1e-2), one)
+                                      sparsity__sr_ste__decay=1e-2), one)
   four = str(tmp_path / "four")
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
   script = _MULTI.format(tests=os.path.join(REPO, "tests"), cache=data_cache, workdir=four)

@@ -1,7 +1,7 @@
 """Mixed Sparsity Training (Hu, Li, Huang): dynamic sparse training with Sparsity Variation.
 
-DESIGN.md section 4. Every linear layer of GPT-2 (attn qkv/out, mlp fc/proj; embeddings and
-the tied head stay dense) trains with an unstructured mask kept in the train state
+docs/algorithms.md, MST. The linear layers matching sparsity.sparse_layers (the experiment:
+attn qkv/out and mlp fc/proj; embeddings and the tied head stay dense) trains with an unstructured mask kept in the train state
 (`sparsity[layer]['mask']`, the 'mst' projection: forward mask * W, dense gradient backward).
 
 How the pieces fit:

@@ -1,0 +1,183 @@
+"""The method interface: a method defined here trains by name through the generic step and
+loop; the registry and config blocks; the step and the loop know no method; hooks and time."""
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from s24jax import config as config_lib
+from s24jax import hooks as hooks_lib
+from s24jax import loop, masks, methods
+from s24jax.methods import base
+
+from tiny import tiny_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@jax.custom_vjp
+def _keep_n_of_4(w, n_kept):
+  return jnp.where(n_kept, w, 0)
+
+
+_keep_n_of_4.defvjp(lambda w, m: (_keep_n_of_4(w, m), None), lambda _, g: (g, None))
+
+
+@dataclasses.dataclass(frozen=True)
+class CountingNof4(base.Method):
+  """N:4 hard threshold, straight-through, with a per-layer counter of refreshes (state that
+  after_update changes) and a host hook that records when it ran."""
+  n: int = 2                       # a hyper-parameter: config.sparsity.<name>.n
+  seen: list = dataclasses.field(default_factory=list, compare=False, hash=False,
+                                 metadata=base.INTERNAL)
+
+  def __post_init__(self):
+    if not 1 <= self.n <= 4:
+      raise ValueError(f"n must be in 1..4, got {self.n}")
+
+  def init_layer(self, kernel):
+    return {"updates": jnp.zeros((), jnp.int32), **super().init_layer(kernel)}
+
+  def mask(self, kernel, layer):
+    return masks.nm_mask(kernel, self.n, 4)
+
+  def project(self, kernel, layer):
+    return _keep_n_of_4(kernel, layer["mask"])
+
+  def update_layers(self, params, sparsity, steps_done):
+    from s24jax import state as state_lib   # pylint: disable=g-import-not-at-top
+    paths = state_lib.sparse_layer_paths(sparsity)
+    return state_lib.with_layer_entry(
+        sparsity, "updates", {p: base.layer_at(sparsity, p)["updates"] + 1 for p in paths})
+
+  def hooks(self, config):
+    return [*super().hooks(config),
+            hooks_lib.Hook(lambda run: self.seen.append(run.step), every=2, name="count")]
+
+
+@pytest.fixture
+def counting_method():
+  name = "test_counting_n_of_4"
+  method = base.register_method(name, CountingNof4())
+  try:
+    yield method
+  finally:
+    base._REGISTRY.pop(name, None)   # pylint: disable=protected-access
+
+
+def test_a_method_defined_in_a_test_trains_by_name(counting_method, tmp_path, data_cache):
+  name = counting_method.name
+  cfg = tiny_config(name, steps=4, workdir_cache=data_cache)
+  assert cfg.sparsity[name].n == 2           # its block is in the base config
+  cfg.sparsity[name].n = 1                   # ... and overridable like any field
+  final = loop.train_and_evaluate(cfg, str(tmp_path))
+  assert np.isfinite(final["val/loss"])
+  assert counting_method.seen == [2, 4]       # its host hook ran every 2 steps, the instance
+  records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+  updates = {r["step"]: r["train/sparsity/updates"] for r in records
+             if "train/sparsity/updates" in r}
+  assert updates == {1: 1.0, 2: 2.0, 3: 3.0, 4: 4.0}   # after_update changed its state
+  flips = [r["train/flip_rate"] for r in records if "train/flip_rate" in r]
+  assert len(flips) == 4 and all(0 <= f <= 1 for f in flips)
+  # n = 1 reached the forward pass: the stored masks keep exactly one of every 4.
+  from s24jax import checkpoint as ckpt_lib   # pylint: disable=g-import-not-at-top
+  from s24jax import model as model_lib   # pylint: disable=g-import-not-at-top
+  from s24jax import train   # pylint: disable=g-import-not-at-top
+  method, model_cfg, tx_fn = loop.build(cfg)
+  assert method.n == 1
+  fresh = train.init_state(model_lib.GPT2(model_cfg), tx_fn, 0)
+  state = ckpt_lib.Checkpointer(str(tmp_path)).restore_or_init(fresh)
+  mask = np.asarray(state.sparsity["h_0"]["mlp"]["fc"]["mask"])
+  assert (mask.reshape(-1, 4).sum(1) == 1).all()
+
+
+def test_registry_errors_list_the_valid_choices(counting_method):
+  with pytest.raises(ValueError, match="already registered"):
+    base.register_method("ste", CountingNof4())
+  with pytest.raises(ValueError) as e:
+    methods.get_method("s-ste")
+  for name in ("dense", "ste", "sr_ste", "t_sr_ste", "s_ste", "mst", counting_method.name):
+    assert name in str(e.value)
+  cfg = tiny_config(counting_method.name)
+  cfg.sparsity[counting_method.name]["m"] = 8
+  with pytest.raises(ValueError, match=r"unknown fields \['m'\].*valid: \['n'\]"):
+    methods.from_config(cfg)
+  cfg = tiny_config(counting_method.name)
+  cfg.sparsity[counting_method.name].n = 5
+  with pytest.raises(ValueError, match="n must be in 1..4"):   # the method validates itself
+    methods.from_config(cfg)
+
+
+def test_every_builtin_method_owns_its_config_block():
+  c = config_lib.base_config()
+  assert set(c.sparsity.t_sr_ste) >= {"mask_refresh_every", "decay", "decay_auto"}
+  assert set(c.sparsity.s_ste) == {"rescale_every"}
+  assert "update_every" in c.sparsity.mst
+  c.sparsity.projection = "sr_ste"
+  c.sparsity.sr_ste.decay_placement = "sideways"
+  with pytest.raises(ValueError, match="decay_placement.*valid: gradients, weights, backward"):
+    methods.from_config(c)
+  c = tiny_config("mst", sparsity__backend="pallas")
+  with pytest.raises(ValueError, match="needs sparsity.backend='xla'"):
+    methods.from_config(c)
+
+
+def test_the_step_and_the_loop_name_no_method():
+  pattern = re.compile(r"mst|decay_control|flip_monitor|act_sparsity|venom|t_sr_ste|s_ste|"
+                       r"transposable|mvue")
+  for name in ("train.py", "loop.py"):
+    with open(os.path.join(REPO, "s24jax", name)) as f:
+      hits = [(i, line) for i, line in enumerate(f, 1) if pattern.search(line)]
+    assert not hits, (name, hits)
+
+
+def test_config_and_model_do_not_import_the_data_pipeline():
+  code = ("import sys, s24jax.model, s24jax.config; "
+          "assert 'tensorflow_datasets' not in sys.modules; "
+          "assert 's24jax.data' not in sys.modules and 's24jax.train' not in sys.modules")
+  subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, timeout=120)
+
+
+def test_itstime():
+  assert [s for s in range(1, 11) if hooks_lib.itstime(s, 3, 10)] == [3, 6, 9, 10]
+  assert [s for s in range(1, 11) if hooks_lib.itstime(s, 0, 10)] == [10]
+  assert [s for s in range(1, 11) if hooks_lib.itstime(s, 3, 10, last=False)] == [3, 6, 9]
+
+
+def test_clock_leaves_excluded_time_out():
+  clock = hooks_lib.Clock()
+  time.sleep(0.05)
+  with clock.excluded(jnp.zeros(3)):
+    time.sleep(0.3)
+  lap = clock.lap()
+  assert 0.04 < lap < 0.2, lap
+  with clock.excluded(jnp.zeros(3)):
+    time.sleep(0.1)
+  assert clock.lap() < 0.05
+
+
+def test_hooks_run_when_due_and_on_their_side(monkeypatch):
+  calls = []
+
+  class FakeRun:
+    step, total, state = 0, 6, jnp.zeros(())
+    clock = hooks_lib.Clock()
+
+  run = FakeRun()
+  hooks = [hooks_lib.Hook(lambda r: calls.append(("after", r.step)), every=2),
+           hooks_lib.Hook(lambda r: calls.append(("before", r.step)), before_step=True,
+                          training=True, due=lambda s: s % 3 == 0)]
+  for step in range(6):
+    run.step = step
+    hooks_lib.run_hooks(run, hooks, before_step=True)
+    run.step = step + 1
+    hooks_lib.run_hooks(run, hooks, before_step=False)
+  assert calls == [("before", 0), ("after", 2), ("before", 3), ("after", 4), ("after", 6)]
