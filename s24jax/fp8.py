@@ -87,12 +87,6 @@ def dequantize(q: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Array:
   return (q.astype(jnp.float32) / scale).astype(dtype)
 
 
-def quantize_dequantize(x: jax.Array, dtype) -> jax.Array:
-  """x rounded through `dtype` with its current amax scale, back in x's dtype."""
-  q, scale = quantize(x, dtype)
-  return dequantize(q, scale, x.dtype)
-
-
 def scaled_dot_general(qa: jax.Array, sa: jax.Array, qb: jax.Array, sb: jax.Array,
                        dimension_numbers: DimensionNumbers, out_dtype) -> jax.Array:
   """dot_general of already-quantized operands, fp32 accumulation, then unscaled.

@@ -1,7 +1,8 @@
 """Metric writers (JSONL, TensorBoard), the loss/flip-rate plot, MFU.
 
-The workdir gets `metrics.jsonl` (one record per logged step or eval), TensorBoard event
-files under `tensorboard/`, and `metrics.png`.
+The workdir gets `metrics.jsonl` (one record per write: the log of a step, an eval, a hook's
+scalars; a step can have several records, `read_jsonl`/`series` read them all), TensorBoard
+event files under `tensorboard/`, and `metrics.png`.
 """
 from __future__ import annotations
 
@@ -97,14 +98,14 @@ def series(records: Iterable[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
 
 def plot(jsonl_path: str, png_path: str, *, title: str = "") -> str:
   """Train/val loss and (global and per-layer) flip rate against step, as a PNG."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  # A bare Figure, not pyplot: no global backend switch (a notebook's inline plots keep working).
+  from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
 
   records = read_jsonl(jsonl_path)
   act_layers = sorted({k.split("/", 2)[2] for r in records for k in r
                        if k.startswith(("act/zero_frac/", "act/kept_l1/"))})
-  fig, axes = plt.subplots(1, 3 if act_layers else 2, figsize=(18 if act_layers else 12, 4.5))
+  fig = Figure(figsize=(18 if act_layers else 12, 4.5))
+  axes = fig.subplots(1, 3 if act_layers else 2)
   ax_loss, ax_flip = axes[0], axes[1]
   if act_layers:
     _plot_activation_sparsity(axes[2], records, act_layers)
@@ -132,7 +133,6 @@ def plot(jsonl_path: str, png_path: str, *, title: str = "") -> str:
   fig.suptitle(title)
   fig.tight_layout()
   fig.savefig(png_path, dpi=110)
-  plt.close(fig)
   return png_path
 
 

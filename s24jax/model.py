@@ -91,6 +91,14 @@ def compute_dtype(name: str) -> jnp.dtype:
   return jnp.dtype(name)
 
 
+def _residual_projection(cfg: ModelConfig, features: int, name: str, **kwargs) -> SparseLinear:
+  """The linear layer writing into the residual stream, initialised with std
+  0.02 / sqrt(2 L) (GPT-2: the residual sum over 2 L layers keeps its scale)."""
+  return SparseLinear(features, cfg.sparsity, dtype=compute_dtype(cfg.dtype),
+                      kernel_init=nn.initializers.normal(0.02 / math.sqrt(2 * cfg.num_layers)),
+                      name=name, **kwargs)
+
+
 class CausalSelfAttention(nn.Module):
   config: ModelConfig
 
@@ -109,9 +117,7 @@ class CausalSelfAttention(nn.Module):
     else:   # Hybrid Sparse Attention (MST): the pattern already includes causality
       mask = attention_masks.attention_mask(cfg.attention, T, cfg.attention_stride)  # (T, T)
       y = jax.nn.dot_product_attention(q, k, v, mask=mask[None, None])       # (B, T, nh, hd)
-    out_init = nn.initializers.normal(0.02 / math.sqrt(2 * cfg.num_layers))
-    return SparseLinear(C, cfg.sparsity, dtype=dtype, kernel_init=out_init,
-                        name="out")(y.reshape(B, T, C))                       # (B, T, C)
+    return _residual_projection(cfg, C, "out")(y.reshape(B, T, C))          # (B, T, C)
 
 
 class MLP(nn.Module):
@@ -139,9 +145,7 @@ class MLP(nn.Module):
         self.sow("intermediates", f"act_{name}", value)
     if mask is not None:
       h = h_sparse                                                            # (B, T, H)
-    out_init = nn.initializers.normal(0.02 / math.sqrt(2 * cfg.num_layers))
-    return SparseLinear(C, cfg.sparsity, dtype=dtype, kernel_init=out_init, name="proj",
-                        matmul=matmul)(h)
+    return _residual_projection(cfg, C, "proj", matmul=matmul)(h)           # (B, T, C)
 
 
 class Block(nn.Module):

@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 
 from s24jax import act_sparsity
-from s24jax import config as config_lib
-from s24jax import loop, masks, projections
-from s24jax.config import ModelConfig, SparsityConfig
-from s24jax.model import GPT2, MLP
+from s24jax import loop, masks, methods, projections
+from s24jax import model as model_lib
+from s24jax.act_sparsity import ActSparsityConfig
+from s24jax.model import GPT2, MLP, ModelConfig
+from s24jax.sparse_linear import SparsityConfig
 
 from tiny import tiny_config
 
@@ -79,14 +80,13 @@ def test_gradient_through_the_second_matmul():
 def test_bad_hidden_dimension_and_config_errors_name_the_field():
   with pytest.raises(ValueError, match="hidden dimension H"):
     act_sparsity.sparsify(jnp.ones((8, 12)), V, N, M)
-  with pytest.raises(ValueError, match="act_sparsity 'vnm'.*none, venom"):
-    SparsityConfig(act_sparsity="vnm")
-  with pytest.raises(ValueError, match="act_n"):
-    SparsityConfig(act_sparsity="venom", act_n=5)
-  with pytest.raises(ValueError, match="model.mlp_ratio \\* model.d_model = 36.*act_m=8"):
-    ModelConfig(d_model=12, mlp_ratio=3, num_heads=2,
-                sparsity=SparsityConfig(act_sparsity="venom"))
-  with pytest.raises(ValueError, match="act_backend 'nope'.*xla, pallas"):
+  with pytest.raises(ValueError, match="act_sparsity.kind 'vnm'.*none, venom"):
+    ActSparsityConfig(kind="vnm")
+  with pytest.raises(ValueError, match="0 <= n <= 4.*n=5"):
+    ActSparsityConfig(kind="venom", n=5)
+  with pytest.raises(ValueError, match="model.mlp_ratio \\* model.d_model = 36.*act_sparsity.m=8"):
+    ModelConfig(d_model=12, mlp_ratio=3, num_heads=2, act=ActSparsityConfig(kind="venom"))
+  with pytest.raises(ValueError, match="act_sparsity.backend 'nope'.*xla, pallas"):
     act_sparsity.sparsify(jnp.ones((8, 16)), V, N, M, backend="nope")
 
 
@@ -95,11 +95,13 @@ def test_bad_hidden_dimension_and_config_errors_name_the_field():
 # ----------------------------------------------------------------------------------------
 
 
-def _mlp(projection="dense", act="none", mlp_ratio=4.0, **sp):
-  sp = {"act_v": V, "sparse_layers": ("fc", "proj"), **sp}
+def _mlp(projection="dense", act="none", mlp_ratio=4.0, **act_fields):
+  act_fields = {"v": V, **act_fields}
   cfg = ModelConfig(vocab_size=64, seq_len=16, num_layers=1, num_heads=2, d_model=16,
                     mlp_ratio=mlp_ratio, activation="relu2",
-                    sparsity=SparsityConfig(projection=projection, act_sparsity=act, **sp))
+                    sparsity=SparsityConfig(method=methods.get_method(projection),
+                                            sparse_layers=("fc", "proj")),
+                    act=ActSparsityConfig(kind=act, **act_fields))
   return MLP(cfg)
 
 
@@ -131,8 +133,8 @@ def test_mlp_equals_plain_reference(projection, act):
 
 
 def _gpt(**overrides):
-  c = tiny_config("dense", model__activation="relu2", sparsity__act_v=V, **overrides)
-  return GPT2(config_lib.model_config(c)), c
+  c = tiny_config("dense", model__activation="relu2", act_sparsity__v=V, **overrides)
+  return GPT2(model_lib.model_config(c)), c
 
 
 def test_keep_all_venom_model_equals_the_model_without_act_sparsity():
@@ -140,8 +142,8 @@ def test_keep_all_venom_model_equals_the_model_without_act_sparsity():
   (That 'none' is the plain relu2 FFN is checked against jnp in test_mlp_equals_plain_...)"""
   tokens = jax.random.randint(jax.random.key(9), (2, 16), 0, 50257)
   none, _ = _gpt()      # the relu2 model as it was before act sparsity existed
-  keep_all, _ = _gpt(sparsity__act_sparsity="venom", sparsity__act_n=4, sparsity__act_m=4)
-  venom, _ = _gpt(sparsity__act_sparsity="venom")
+  keep_all, _ = _gpt(act_sparsity__kind="venom", act_sparsity__n=4, act_sparsity__m=4)
+  venom, _ = _gpt(act_sparsity__kind="venom")
   params = none.init(jax.random.key(0), tokens)["params"]
   ref = none.apply({"params": params}, tokens)
   np.testing.assert_allclose(keep_all.apply({"params": params}, tokens), ref, rtol=1e-6,
@@ -150,10 +152,11 @@ def test_keep_all_venom_model_equals_the_model_without_act_sparsity():
 
 
 def test_dense_twin_switches_off_weight_and_activation_sparsity():
-  c = tiny_config("s_ste", model__activation="relu2", sparsity__act_sparsity="venom")
-  twin = config_lib.model_config(c, dense=True).sparsity
-  assert (twin.projection, twin.act_sparsity) == ("dense", "none")
-  assert config_lib.model_config(c).sparsity.act_sparsity == "venom"
+  c = tiny_config("s_ste", model__activation="relu2", act_sparsity__kind="venom")
+  cfg = model_lib.model_config(c)
+  twin = cfg.dense_twin()
+  assert (twin.sparsity.method.name, twin.act.kind) == ("dense", "none")
+  assert (cfg.sparsity.method.name, cfg.act.kind) == ("s_ste", "venom")
 
 
 def test_registered_act_backend_selects_and_multiplies():
@@ -170,7 +173,7 @@ def test_registered_act_backend_selects_and_multiplies():
   act_sparsity.register_act_backend("test_fake", act_sparsity.ActBackend(select, matmul))
   try:
     x = jax.random.normal(jax.random.key(10), (2, 5, 16))             # 10 tokens: padded
-    ref_mlp, fake_mlp = _mlp(act="venom"), _mlp(act="venom", act_backend="test_fake")
+    ref_mlp, fake_mlp = _mlp(act="venom"), _mlp(act="venom", backend="test_fake")
     variables = ref_mlp.init(jax.random.key(11), x)
     np.testing.assert_allclose(fake_mlp.apply(variables, x), ref_mlp.apply(variables, x),
                                rtol=1e-6, atol=1e-6)
@@ -198,7 +201,7 @@ def test_pallas_backend_matches_the_xla_reference():
   _, mask_p, _ = act_sparsity.sparsify(h, v, 2, M, backend="pallas")
   np.testing.assert_array_equal(mask_p, mask_x)
 
-  mlps = {b: _mlp("s_ste", "venom", mlp_ratio=8.0, act_backend=b, act_v=v)
+  mlps = {b: _mlp("s_ste", "venom", mlp_ratio=8.0, backend=b, v=v)
           for b in ("xla", "pallas")}
   variables = mlps["xla"].init(jax.random.key(14), x)
 
@@ -268,14 +271,18 @@ def test_activation_stats_per_layer_match_the_captured_activations():
 
 def test_loop_logs_activation_stats_through_sparse_and_dense_phases(tmp_path, data_cache):
   c = tiny_config("s_ste", steps=4, workdir_cache=data_cache, model__activation="relu2",
-                  sparsity__act_sparsity="venom", sparsity__act_v=16,
-                  sparsity__dense_finetune_fraction=0.5, act_stats_sequences=2,
+                  act_sparsity__kind="venom", act_sparsity__v=16,
+                  sparsity__dense_finetune_fraction=0.5, act_sparsity__stats_sequences=2,
                   checkpoint_every=4)
   workdir = str(tmp_path)
   final = loop.train_and_evaluate(c, workdir)
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     records = [json.loads(line) for line in f]
-  logged = [r for r in records if "train/loss" in r]
+  # Each hook writes its own record; what one step logged is the union of its records.
+  by_step = {}
+  for r in records:
+    by_step.setdefault(r["step"], {}).update(r)
+  logged = [r for _, r in sorted(by_step.items()) if "train/loss" in r]
   assert [r["step"] for r in logged] == [1, 2, 3, 4]
   assert [r["train/dense_phase"] for r in logged] == [0.0, 0.0, 1.0, 1.0]
   for r in logged:

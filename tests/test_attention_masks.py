@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 
 from s24jax import attention_masks
-from s24jax.config import ModelConfig
-from s24jax.model import CausalSelfAttention
+from s24jax.model import CausalSelfAttention, ModelConfig
 
 
 def _mask_loops(pattern: str, T: int, l: int) -> np.ndarray:

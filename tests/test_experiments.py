@@ -10,6 +10,7 @@ from s24jax import compare
 from s24jax import config as config_lib
 from s24jax import loop
 from s24jax import train
+from s24jax.model import GPT2
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FILES = sorted(glob.glob(os.path.join(REPO, "experiments", "gpt2_*.py")))
@@ -30,7 +31,8 @@ def test_builds_config_and_abstract_state(path, variant):
   assert config.seed == 0 and config.total_steps > 0
   num_layers = config.model.num_layers
   config.model.num_layers = 1
-  model, dense_model, tx_fn = loop.build(config)
+  _, model_cfg, tx_fn = loop.build(config)
+  model, dense_model = GPT2(model_cfg), GPT2(model_cfg.dense_twin())
   abstract = jax.eval_shape(lambda: train.init_state(model, tx_fn, config.seed))
   count = lambda tree: sum(x.size for x in jax.tree.leaves(tree))
   n = count(abstract.params) + (num_layers - 1) * count(abstract.params["h_0"])

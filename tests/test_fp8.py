@@ -193,20 +193,23 @@ def test_model_trains_with_fp8():
   # Both FFN layers through the FP8 op (with MVUE): the loss at init is close to the fp32
   # model's, and a few steps on one batch bring it down.
   from s24jax import config as config_lib, loop, train  # pylint: disable=g-import-not-at-top
+  from s24jax import losses as losses_lib, model as model_lib  # pylint: disable=g-import-not-at-top
   c = config_lib.apply_variant(config_lib.base_config(), "tiny")
   c.sparsity.projection, c.sparsity.fp8, c.sparsity.mvue = "s_ste", True, True
   c.model.vocab_size, c.model.seq_len = 64, 8
   c.model.num_layers, c.model.num_heads, c.model.d_model = 1, 2, 16
   c.optim.warmup_steps, c.optim.lr = 1, 1e-2
-  model, _, tx_fn = loop.build(c)
+  _, model_cfg, tx_fn = loop.build(c)
+  model = model_lib.GPT2(model_cfg)
   state = jax.jit(lambda: train.init_state(model, tx_fn, 0))()
   tokens = np.random.default_rng(0).integers(0, 64, size=(4, 9))
   batch = {"inputs": jnp.asarray(tokens[:, :-1]), "targets": jnp.asarray(tokens[:, 1:])}
   c.sparsity.fp8 = False
-  fp32_model, _, _ = loop.build(c)
+  fp32_model = model_lib.GPT2(loop.build(c)[1])
   fp32_logits = jax.jit(fp32_model.apply)({"params": state.params, "sparsity": state.sparsity},
                                           batch["inputs"])
-  fp32_loss = float(train.cross_entropy_sum(fp32_logits, batch["targets"])) / batch["targets"].size
+  fp32_loss = (float(losses_lib.cross_entropy_sum(fp32_logits, batch["targets"]))
+               / batch["targets"].size)
   tx = tx_fn(state.params, state.sparsity)
   losses = []
   for _ in range(4):

@@ -6,14 +6,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from s24jax import config as config_lib
+from s24jax import model as model_lib
 from s24jax.model import GPT2
 
 from tiny import tiny_config
 
 
 def _model(projection="s_ste", **kw):
-  return GPT2(config_lib.model_config(tiny_config(projection, **kw)))
+  return GPT2(model_lib.model_config(tiny_config(projection, **kw)))
 
 
 def test_forward_shapes_and_sparsity_collection():
@@ -73,4 +73,4 @@ def test_gated_ffn_makes_all_three_matrices_sparse():
 
 def test_unknown_activation_lists_valid():
   with pytest.raises(ValueError, match="gelu.*relu2.*swiglu"):
-    dataclasses.replace(config_lib.ModelConfig(), activation="tanh")
+    dataclasses.replace(model_lib.ModelConfig(), activation="tanh")

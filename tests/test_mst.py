@@ -11,6 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tiny import tiny_config
+
 from s24jax import checkpoint as ckpt_lib
 from s24jax import loop
 from s24jax import losses
@@ -19,19 +21,6 @@ from s24jax import model as model_lib
 from s24jax.methods import mst
 from s24jax import state as state_lib
 from s24jax import train
-from s24jax.config import apply_variant, base_config
-
-
-def tiny_config(projection: str = "mst", *, steps: int = 6):
-  """A 1-layer, 32-wide GPT-2 on 4 x 16 tokens (small enough for 2 shared CPU cores)."""
-  c = apply_variant(base_config(), "tiny")
-  c.sparsity.projection = projection
-  c.total_steps = steps
-  c.batch_size = 4
-  c.model.seq_len = 16
-  c.model.num_layers, c.model.num_heads, c.model.d_model = 1, 2, 32
-  c.optim.warmup_steps = 2
-  return c
 
 # ---------------------------------------------------------------------------------------------
 # One layer.

@@ -16,10 +16,11 @@ import pytest
 
 from s24jax import loop
 from s24jax import masks
+from s24jax import methods
 from s24jax import sparse_ops
 from s24jax import train
-from s24jax.config import SparsityConfig
-from s24jax.sparse_linear import SparseLinear
+from s24jax.model import GPT2
+from s24jax.sparse_linear import SparseLinear, SparsityConfig
 
 from tiny import tiny_config
 
@@ -82,7 +83,8 @@ def test_layer_with_pallas_backend_matches_xla():
   x, dy = _normal(0, (2, tokens // 2, inp)), _normal(1, (2, tokens // 2, out))  # (B, T, in/out)
   results = {}
   for backend in ("xla", "pallas_always"):
-    cfg = SparsityConfig(projection="s_ste", sparse_layers=("*",), backend=backend)
+    cfg = SparsityConfig(method=methods.get_method("s_ste"), sparse_layers=("*",),
+                         backend=backend)
     layer = SparseLinear(out, cfg, name="fc")
     variables = flax.core.unfreeze(layer.init(jax.random.PRNGKey(1), x))
 
@@ -122,7 +124,8 @@ def test_backend_errors_name_the_problem():
 def _train_losses(backend, steps=3):
   c = tiny_config("s_ste", sparsity__backend=backend, sparsity__mvue=True)
   c.model.vocab_size = 64
-  model, _, tx_fn = loop.build(c)
+  _, model_cfg, tx_fn = loop.build(c)
+  model = GPT2(model_cfg)
   state = train.init_state(model, tx_fn, 0)
   tx = tx_fn(state.params, state.sparsity)
   rng = np.random.default_rng(0)

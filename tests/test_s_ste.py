@@ -15,9 +15,11 @@ from s24jax import checkpoint as ckpt_lib
 from s24jax import config as config_lib
 from s24jax import loop
 from s24jax import masks
+from s24jax import model as model_lib
 from s24jax import projections
 from s24jax import state as state_lib
 from s24jax import train
+from s24jax.methods import s_ste
 
 
 def _soft_threshold_np(w: np.ndarray) -> np.ndarray:
@@ -111,10 +113,10 @@ def test_scale_of_all_zero_tensor_is_one():
 def test_s_ste_forward_is_scaled_soft_threshold_and_backward_is_straight_through():
   w = jax.random.normal(jax.random.PRNGKey(3), (8, 16))
   beta = jnp.asarray(1.7, jnp.float32)
-  np.testing.assert_allclose(projections.s_ste24(w, beta),
+  np.testing.assert_allclose(s_ste.s_ste24(w, beta),
                              1.7 * _soft_threshold_np(np.asarray(w)), rtol=1e-6, atol=1e-6)
   g = jax.random.normal(jax.random.PRNGKey(4), (8, 16))
-  dw, dbeta = jax.vjp(projections.s_ste24, w, beta)[1](g)
+  dw, dbeta = jax.vjp(s_ste.s_ste24, w, beta)[1](g)
   np.testing.assert_array_equal(dw, g)        # not multiplied by beta, not masked
   assert float(dbeta) == 0.0                  # beta is frozen state
 
@@ -126,7 +128,7 @@ def test_s_ste_forward_is_scaled_soft_threshold_and_backward_is_straight_through
 def _tiny_config(rescale_every: int = 0):
   c = config_lib.apply_variant(config_lib.base_config(), "tiny")
   c.sparsity.projection = "s_ste"
-  c.sparsity.rescale_every = rescale_every
+  c.sparsity.s_ste.rescale_every = rescale_every
   c.model.vocab_size = 64
   c.model.seq_len = 8
   c.model.num_layers, c.model.num_heads, c.model.d_model = 1, 2, 16
@@ -141,7 +143,8 @@ def _scales(sparsity) -> dict[tuple[str, ...], float]:
 
 
 def _fresh_state(config, seed):
-  model, _, tx_fn = loop.build(config)
+  _, model_cfg, tx_fn = loop.build(config)
+  model = model_lib.GPT2(model_cfg)
   state = train.init_state(model, tx_fn, seed)
   return model, tx_fn(state.params, state.sparsity), state
 
@@ -211,4 +214,4 @@ def test_scale_restored_from_checkpoint_unchanged(tmp_path):
 def test_negative_rescale_every_is_rejected():
   c = _tiny_config(rescale_every=-1)
   with pytest.raises(ValueError, match="rescale_every"):
-    config_lib.model_config(c)
+    model_lib.model_config(c)

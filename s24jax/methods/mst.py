@@ -525,12 +525,11 @@ def plot_schedule(m: MST, config, png_path: str, *,
                   measured: Mapping[str, Sequence[float]] | None = None) -> str:
   """PNG of the Sparsity Variation schedule: target sparsity per phase, drop fraction, the
   sparse-attention window, and (optional) `measured` {'step': [...], 'sparsity': [...]}."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top  (no pyplot state)
 
   s = schedule_series(m, config.total_steps)
-  fig, ax = plt.subplots(figsize=(8, 4))
+  fig = Figure(figsize=(8, 4))
+  ax = fig.subplots()
   ax.plot(s["step"], s["sparsity"], "k-", lw=2, label="target sparsity")
   ax.plot(s["step"], s["drop_fraction"], "b--", lw=1, label="drop fraction $\\zeta_t$")
   if measured is not None and len(measured.get("step", ())):
@@ -550,7 +549,6 @@ def plot_schedule(m: MST, config, png_path: str, *,
   ax.set_title("MST Sparsity Variation")
   fig.tight_layout()
   fig.savefig(png_path, dpi=110)
-  plt.close(fig)
   return png_path
 
 
