@@ -35,9 +35,28 @@ def get_path(tree: Any, path: tuple[str, ...]) -> Any:
   return tree
 
 
+# The name of a sparse layer's weight in its params: a SparseLinear's 'kernel' (out, in), or the
+# tied token embedding's 'embedding' (vocab, C), which is the LM head's (out, in) weight.
+WEIGHT_NAMES = ("kernel", "embedding")
+
+
+def weight_name(layer_params: Any) -> str:
+  """'kernel' or 'embedding': the key of the weight in one sparse layer's params."""
+  for name in WEIGHT_NAMES:
+    if name in layer_params:
+      return name
+  raise KeyError(f"a sparse layer needs one of {WEIGHT_NAMES} in its params, got "
+                 f"{sorted(layer_params)}")
+
+
+def sparse_weight_keys(params: Any, sparsity: Any) -> set[tuple[str, ...]]:
+  """Flattened params keys of the sparse layers' weights (kernels, the tied embedding)."""
+  return {p + (weight_name(get_path(params, p)),) for p in sparse_layer_paths(sparsity)}
+
+
 def is_sparse_kernel(params: Any, sparsity: Any) -> Any:
-  """A bool pytree shaped like params: True at the kernel of every sparse layer."""
-  sparse = {p + ("kernel",) for p in sparse_layer_paths(sparsity)}
+  """A bool pytree shaped like params: True at the weight of every sparse layer."""
+  sparse = sparse_weight_keys(params, sparsity)
   flat = traverse_util.flatten_dict(flax.core.unfreeze(params))
   return traverse_util.unflatten_dict({k: k in sparse for k in flat})
 
@@ -60,15 +79,17 @@ def with_masks(sparsity: Any, new_masks: dict[tuple[str, ...], jax.Array]) -> An
 
 
 def mask_sparse_kernels(tree: Any, sparsity: Any) -> Any:
-  """Zeros every sparse layer's kernel entries outside its stored 'mask' in a params-shaped
+  """Zeros every sparse layer's weight entries outside its stored 'mask' in a params-shaped
   tree (params, gradients); other leaves are returned as they are."""
   tree = flax.core.unfreeze(jax.tree.map(lambda x: x, tree))
   for path in sparse_layer_paths(sparsity):
     layer = get_path(tree, path)
-    layer["kernel"] = jax.numpy.where(get_path(sparsity, path)["mask"], layer["kernel"], 0)
+    name = weight_name(layer)
+    layer[name] = jax.numpy.where(get_path(sparsity, path)["mask"], layer[name], 0)
   return tree
 
 
 def num_sparse_weights(params: Any, sparsity: Any) -> int:
-  return sum(get_path(params, p)["kernel"].size for p in sparse_layer_paths(sparsity))
+  return sum(get_path(params, p)[weight_name(get_path(params, p))].size
+             for p in sparse_layer_paths(sparsity))
 

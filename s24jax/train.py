@@ -47,15 +47,16 @@ def train_step(state: TrainState, batch: Batch, *, model: GPT2,
     return loss_sum / batch["targets"].size, loss_sum
 
   (_, loss_sum), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-  grads = method.gradients(grads, state.sparsity)
+  raw_grads, grads = grads, method.gradients(grads, state.sparsity)
   updates, opt_state = tx.update(grads, state.opt_state, state.params,
                                  **method.optimizer_args(state.params, state.sparsity))
   params = optax.apply_updates(state.params, updates)
   params, sparsity, method_metrics = method.after_update(params, state.sparsity, state.step)
   metrics = {"loss": loss_sum, "count": jnp.asarray(batch["targets"].size, jnp.float32),
              "grad_norm": optax.tree.norm(grads), **method_metrics}
-  return state.replace(step=state.step + 1, params=params, opt_state=opt_state,
-                       sparsity=sparsity), metrics
+  new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
+                            sparsity=sparsity)
+  return method.finish_step(state, new_state, raw_grads, metrics)
 
 
 @functools.partial(jax.jit, static_argnames=("model",))
@@ -75,6 +76,7 @@ def init_state(model: GPT2, tx_fn: Callable[[Any, Any], optax.GradientTransforma
   params = variables["params"]
   sparsity = variables.get("sparsity", {})
   method = model.config.sparsity.method
+  params, sparsity = method.init_train(params, sparsity, jax.random.fold_in(init_rng, 1))
   if method.init_state():
     sparsity = {**sparsity, method.name: method.init_state()}
   tx = tx_fn(params, sparsity)

@@ -16,6 +16,9 @@ Hooks, in the order a training step meets them:
   mask(kernel, layer) -> bool             the 2:4 support of project(kernel, layer) right now
   init_state() -> dict                    method-wide state (e.g. a controller), stored in the
                                           'sparsity' collection under the method's name
+  init_train(params, sparsity, rng) -> (params, sparsity)
+                                          the fresh state's start, after model.init (e.g. MST:
+                                          a random sparse mask, weights outside it zeroed)
   gradients(grads, sparsity) -> grads     before the optimizer (e.g. MST: active entries only)
   optimizer_transforms(placement, is_sparse) -> [optax transforms]
                                           inserted at 'gradients' (after clipping, before Adam)
@@ -25,13 +28,20 @@ Hooks, in the order a training step meets them:
   after_update(params, sparsity, step) -> (params, sparsity, metrics)
                                           inside the jitted step after the optimizer: mask
                                           refresh, flip rate, rescaling, controllers
+  finish_step(state, new_state, grads, metrics) -> (new_state, metrics)
+                                          the step's last word: may replace the update it just
+                                          made (on device, e.g. lax.cond on a flag in the
+                                          state), given the raw gradients of the step's loss
+                                          (before `gradients`, unclipped). MST: on its topology
+                                          steps, new masks from those gradients instead of the
+                                          optimizer step
   model_at(step, model_cfg, config) -> ModelConfig
                                           the model a step trains (phases: dense fine-tuning,
                                           attention windows); one compiled step per distinct one
   enter(state, new_cfg) -> state          when the loop switches away from this method's model
   hooks(config) -> [hooks.Hook]           host-side chores between steps (MST topology updates,
                                           the flip-rate warning, logging a chosen lambda)
-  flop_profile(step, shapes, config) -> (active counts | None, extra pass?)
+  flop_profile(step, shapes, config) -> (active counts | None, dense weight gradient?)
                                           for the FLOP accounting (s24jax/flops.py)
 
 The base class is the plain hard-threshold 2:4 method minus its projection: `mask` is the
@@ -89,6 +99,12 @@ class Method:
   def init_state(self) -> dict[str, jax.Array]:
     return {}
 
+  def init_train(self, params: Any, sparsity: Any, rng: jax.Array) -> tuple[Any, Any]:
+    """The fresh train state's params and sparsity collection, after model.init (inside the
+    jitted init; `rng` is the method's own key). The default keeps them."""
+    del rng
+    return params, sparsity
+
   # -- the train step -------------------------------------------------------------------------
 
   def gradients(self, grads: Any, sparsity: Any) -> Any:
@@ -126,6 +142,16 @@ class Method:
     del params, steps_done
     return sparsity
 
+  def finish_step(self, state: Any, new_state: Any, grads: Any, metrics: dict[str, jax.Array]
+                  ) -> tuple[Any, dict[str, jax.Array]]:
+    """The train step's last hook, inside the jitted step: `state` is the state before the
+    step, `new_state` after the optimizer and `after_update`, `grads` the raw gradients of
+    the step's mean loss (before `gradients` and clipping). Returns the step's state and
+    metrics; a method may replace the update on some steps (decided on device, so the step
+    compiles once). The default returns them unchanged."""
+    del state, grads
+    return new_state, metrics
+
   # -- the loop -------------------------------------------------------------------------------
 
   def model_at(self, step: int, model_cfg, config):
@@ -143,7 +169,8 @@ class Method:
     params = flax.core.unfreeze(jax.tree.map(lambda x: x, state.params))
     for path in state_lib.sparse_layer_paths(state.sparsity):
       layer = state_lib.get_path(params, path)
-      layer["kernel"] = self.project(layer["kernel"], layer_at(state.sparsity, path))
+      name = state_lib.weight_name(layer)
+      layer[name] = self.project(layer[name], layer_at(state.sparsity, path))
     return state.replace(params=params)
 
   def hooks(self, config) -> list:
@@ -164,8 +191,10 @@ class Method:
   def flop_profile(self, step: int, shapes: dict[str, tuple[int, int]], config
                    ) -> tuple[dict[str, int] | None, bool]:
     """(active weights per layer name, or None if unchanged since the last step; whether the
-    step runs an extra forward/backward pass). The base counts the layers dense: the xla
-    backend multiplies 2:4 weights densely."""
+    step computes the dense weight gradient of its sparse layers, as MST's topology updates
+    do). `shapes` are the sparse layers' (out, in), the tied head's 'wte' (vocab, C)
+    included when it is sparse. The base counts the layers dense: the xla backend
+    multiplies 2:4 weights densely."""
     del step, shapes, config
     return {}, False
 
@@ -182,7 +211,9 @@ class Method:
 
 
 def kernel_at(params: Any, path: tuple[str, ...]) -> jax.Array:
-  return state_lib.get_path(params, path)["kernel"]
+  """The sparse layer's weight: its kernel, or the tied embedding table (vocab, C)."""
+  layer = state_lib.get_path(params, path)
+  return layer[state_lib.weight_name(layer)]
 
 
 def layer_at(sparsity: Any, path: tuple[str, ...]) -> Layer:
