@@ -19,7 +19,7 @@ from s24jax import activations
 from s24jax import attention_masks
 from s24jax import methods
 from s24jax.act_sparsity import ActSparsityConfig
-from s24jax.sparse_linear import SparseLinear, SparsityConfig
+from s24jax.sparse_linear import SparseEmbed, SparseLinear, SparsityConfig
 
 ACTIVATIONS = ("gelu", "relu", "relu2", "geglu", "swiglu")
 
@@ -170,8 +170,10 @@ class GPT2(nn.Module):
     B, T = tokens.shape
     if T > cfg.seq_len:
       raise ValueError(f"sequence length {T} exceeds model.seq_len={cfg.seq_len}")
-    wte = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=nn.initializers.normal(0.02),
-                   dtype=dtype, name="wte")
+    # Tied with the head; sparse (one mask for the lookup and the head) if 'wte' matches
+    # sparsity.sparse_layers, e.g. MST's reference layer set.
+    wte = SparseEmbed(cfg.vocab_size, cfg.d_model, sparsity=cfg.sparsity,
+                      embedding_init=nn.initializers.normal(0.02), dtype=dtype, name="wte")
     wpe = self.param("wpe", nn.initializers.normal(0.01), (cfg.seq_len, cfg.d_model))
     x = (wte(tokens) + wpe[:T]).astype(dtype)                                 # (B, T, C)
     for i in range(cfg.num_layers):

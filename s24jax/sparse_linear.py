@@ -127,3 +127,48 @@ class SparseLinear(nn.Module):
     if self.use_bias:
       y = y + self.param("bias", nn.initializers.zeros, (self.features,)).astype(self.dtype)
     return y
+
+
+class SparseEmbed(nn.Embed):
+  """The token embedding E (vocab, C), tied with the LM head (`attend`: logits = x E^T).
+
+  Sparse when its path ('wte') matches `sparsity.sparse_layers`: E is then the head's weight
+  W (out = vocab, in = C), the method projects it like a `SparseLinear` kernel (its state in
+  the 'sparsity' collection, params keep the name 'embedding'), and both uses read the same
+  E~: the lookup gathers rows of E~ and the head is the sparse linear op with E~. The
+  gradient of E sums both uses, as for any tied weight. Dense (the default): exactly
+  nn.Embed.
+  """
+  sparsity: SparsityConfig = SparsityConfig()
+
+  def _is_sparse(self) -> bool:
+    return self.sparsity.is_sparse("/".join(self.path))
+
+  def setup(self):
+    super().setup()
+    if self._is_sparse() and self.is_initializing():
+      path = "/".join(self.path)
+      for name, value in _init_layer(self.sparsity.method, self.embedding, path).items():
+        self.variable("sparsity", name, lambda v=value: v)
+
+  def _table(self) -> jax.Array:
+    """E~ (vocab, C): the method's projection of the table."""
+    return self.sparsity.method.project(self.embedding,
+                                        dict(self.variables.get("sparsity", {})))
+
+  def __call__(self, inputs: jax.Array) -> jax.Array:
+    if not self._is_sparse():
+      return super().__call__(inputs)
+    if not jnp.issubdtype(inputs.dtype, jnp.integer):
+      raise ValueError("Input type must be an integer or unsigned integer.")
+    (table,) = self.promote_dtype(self._table(), dtype=self.dtype, inexact=False)
+    return jnp.take(table, inputs, axis=0)                               # (..., C)
+
+  def attend(self, query: jax.Array) -> jax.Array:
+    if not self._is_sparse():
+      return super().attend(query)
+    sp = self.sparsity
+    dtype = self.dtype or query.dtype
+    key = self.make_rng("sparsity") if sp.mvue and self.has_rng("sparsity") else None
+    return linear(query.astype(dtype), self._table(), backend=sp.backend, sparse=True,
+                  key=key, mvue=sp.mvue, fp8=sp.fp8)                     # (..., vocab)
