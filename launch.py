@@ -4,14 +4,23 @@
   python launch.py --config experiments/gpt2_s_ste.py --config.total_steps=1000
 
 `--config.path.to.field=value` overrides any field. Running the same command again resumes
-from the last checkpoint in the workdir. Multi-host: add --distributed (calls
-jax.distributed.initialize(), which reads the cluster from the environment).
+from the last checkpoint in the workdir. A non-finite loss or gradient norm stops the run with
+exit code 1 and a message naming the step and the last good checkpoint.
+
+Multi-host: add --distributed (jax.distributed.initialize(), which reads the cluster from the
+environment on SLURM, Open MPI, Kubernetes, TPU pods), or give it explicitly:
+
+  python launch.py --config ... --distributed --coordinator_address=10.0.0.1:1234 \
+      --num_processes=2 --process_id=0      # and --process_id=1 on the second host
+
+On CPU hosts the processes talk through gloo (JAX's CPU collectives).
 
 The terminal shows the progress bar, s24jax's own messages and every warning; the INFO logs
 of the libraries (Orbax, JAX, TFDS, ...) go to <workdir>/train.log with everything else.
 """
 import logging as std_logging
 import os
+import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -21,6 +30,10 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config fil
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (checkpoints, logs, plots). "
                                "Default: runs/<config name>[_<variant>].")
 _DISTRIBUTED = flags.DEFINE_bool("distributed", False, "Call jax.distributed.initialize().")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None,
+                                   "host:port of process 0 (default: from the environment).")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the run.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index.")
 
 _OURS = (os.path.join(os.path.dirname(os.path.abspath(__file__)), "s24jax") + os.sep,
          os.path.abspath(__file__))
@@ -40,10 +53,10 @@ class _OnlyOursOrWarnings(std_logging.Filter):
             or os.path.abspath(record.pathname).startswith(_OURS))
 
 
-def _route_logs(workdir: str) -> str:
+def _route_logs(workdir: str, process: int = 0) -> str:
   """Library INFO to <workdir>/train.log only; the terminal keeps ours and the warnings."""
   os.makedirs(workdir, exist_ok=True)
-  path = os.path.join(workdir, "train.log")
+  path = os.path.join(workdir, "train.log" if not process else f"train.process{process}.log")
   file_handler = std_logging.FileHandler(path, encoding="utf-8")
   file_handler.setFormatter(std_logging.Formatter(
       "%(asctime)s %(levelname).1s %(name)s %(filename)s:%(lineno)d] %(message)s"))
@@ -58,14 +71,24 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   workdir = _WORKDIR.value or default_workdir(config_flags.get_config_filename(flags.FLAGS["config"]))
-  log_path = _route_logs(workdir)
+  log_path = _route_logs(workdir, _PROCESS_ID.value or 0)
+  from s24jax import aot  # pylint: disable=g-import-not-at-top
+  aot.cpu_unless_gpu()   # no CUDA start-up noise where the optional compile plugin sits idle
   import jax  # pylint: disable=g-import-not-at-top
   if _DISTRIBUTED.value:
-    jax.distributed.initialize()
+    if jax.config.jax_platforms == "cpu":
+      jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=_COORDINATOR.value,
+                               num_processes=_NUM_PROCESSES.value, process_id=_PROCESS_ID.value)
   from s24jax import loop  # pylint: disable=g-import-not-at-top
-  logging.info("JAX %s on %d %s device(s); workdir %s (library logs: %s)", jax.__version__,
-               jax.device_count(), jax.default_backend(), workdir, log_path)
-  final = loop.train_and_evaluate(_CONFIG.value, workdir)
+  logging.info("JAX %s on %d %s device(s) in %d process(es); workdir %s (library logs: %s)",
+               jax.__version__, jax.device_count(), jax.default_backend(), jax.process_count(),
+               workdir, log_path)
+  try:
+    final = loop.train_and_evaluate(_CONFIG.value, workdir)
+  except loop.NonFiniteError as e:
+    logging.error("%s", e)
+    sys.exit(1)
   logging.info("done at step %s: train loss %.4f, val loss %.4f (unigram entropy %.3f)",
                final.get("step"), final.get("train/loss", float("nan")),
                final.get("val/loss", float("nan")),

@@ -54,7 +54,13 @@ def base_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.seed = 0
   c.total_steps = 300_000
-  c.batch_size = 512              # sequences per step (global, split over devices)
+  c.batch_size = 512              # sequences per optimizer step (global, over all devices)
+  # Micro-batches per step: the batch is split into this many inside the jitted step and
+  # their gradients summed (memory, not math: the same update as one big batch).
+  c.grad_accum_steps = 1
+  # The device mesh (s24jax/sharding.py): data x fsdp devices, -1 = all the rest. fsdp > 1
+  # shards parameters, optimizer and sparsity state ZeRO-3 style; the batch splits over both.
+  c.mesh = ml_collections.ConfigDict({"data": -1, "fsdp": 1})
 
   c.model = ml_collections.ConfigDict()
   c.model.vocab_size = 50304      # GPT-2's 50257 padded to a multiple of 64

@@ -18,7 +18,7 @@ import jax
 import ml_collections
 import numpy as np
 from absl import logging
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.experimental import multihost_utils
 
 from s24jax import checkpoint as ckpt_lib
 from s24jax import data as data_lib
@@ -29,20 +29,30 @@ from s24jax import metrics as metrics_lib
 from s24jax import model as model_lib
 from s24jax import optim
 from s24jax import schedules
+from s24jax import sharding
 from s24jax import state as state_lib
 from s24jax import train
 
 
-def make_mesh(devices=None) -> Mesh:
-  """A 1-D data-parallel mesh over all devices (all hosts)."""
-  devices = np.asarray(devices if devices is not None else jax.devices())
-  return Mesh(devices.reshape(-1), ("data",))
+class NonFiniteError(RuntimeError):
+  """Training produced a non-finite loss or gradient norm; nothing non-finite was saved."""
 
 
-def shard_batch(batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
-  """This process's rows of the global batch -> global arrays sharded on 'data'."""
-  sharding = NamedSharding(mesh, P("data"))
-  return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
+def shard_batch(batch: dict[str, np.ndarray], partitioner: sharding.Partitioner
+                ) -> dict[str, jax.Array]:
+  """This process's rows of the global batch -> global arrays split over the mesh."""
+  return {k: jax.make_array_from_process_local_data(partitioner.batch, v)
+          for k, v in batch.items()}
+
+
+def load_tokens(config) -> data_lib.TokenData:
+  """The token streams; with several processes, process 0 prepares the cache while the
+  others wait at a barrier (so they never race to write it)."""
+  if jax.process_count() > 1:
+    if jax.process_index() == 0:
+      data_lib.load_tokens(config.data)
+    multihost_utils.sync_global_devices("s24jax: token cache prepared")
+  return data_lib.load_tokens(config.data)
 
 
 def local_batch(tokens, config, step: int) -> dict[str, np.ndarray]:
@@ -54,12 +64,22 @@ def local_batch(tokens, config, step: int) -> dict[str, np.ndarray]:
   return {k: v[i * per:(i + 1) * per] for k, v in b.items()}
 
 
-def evaluate(params, sparsity, model, val_batches, mesh) -> float:
+def evaluate(params, sparsity, model, val_batches, partitioner) -> float:
   loss, count = 0.0, 0.0
   for b in val_batches:
-    m = train.eval_step(params, sparsity, shard_batch(b, mesh), model=model)
+    m = train.eval_step(params, sparsity, shard_batch(b, partitioner), model=model)
     loss, count = loss + float(m["loss"]), count + float(m["count"])
   return loss / max(count, 1.0)
+
+
+def check_batch(config, num_devices: int) -> None:
+  """The batch splits into `grad_accum_steps` micro-batches, each split over the devices."""
+  b, k = int(config.batch_size), int(config.grad_accum_steps)
+  if k < 1 or b % k:
+    raise ValueError(f"grad_accum_steps={k} must be >= 1 and divide batch_size={b}")
+  if (b // k) % num_devices:
+    raise ValueError(f"the micro-batch (batch_size / grad_accum_steps = {b // k} sequences) "
+                     f"is not divisible by the {num_devices} devices")
 
 
 def build(config: ml_collections.ConfigDict):
@@ -78,7 +98,7 @@ class Run:
   """What the hooks see and change: the state, the step, the step's batch and model."""
   config: ml_collections.ConfigDict
   workdir: str
-  mesh: Mesh
+  partitioner: sharding.Partitioner
   data: Any
   method: methods.Method            # the run's method (its phases pick each step's model)
   base_cfg: model_lib.ModelConfig   # the run's model (the method's, before any phase)
@@ -120,22 +140,21 @@ class Run:
   @classmethod
   def create(cls, config: ml_collections.ConfigDict, workdir: str) -> "Run":
     os.makedirs(workdir, exist_ok=True)
-    mesh = make_mesh()
-    if config.batch_size % jax.device_count():
-      raise ValueError(f"batch_size={config.batch_size} is not divisible by the "
-                       f"{jax.device_count()} devices")
+    partitioner = sharding.Partitioner(sharding.make_mesh(config.mesh))
+    check_batch(config, jax.device_count())
     method, model_cfg, tx_fn = build(config)
-    fresh = jax.jit(lambda: train.init_state(model_lib.GPT2(model_cfg), tx_fn, config.seed),
-                    out_shardings=NamedSharding(mesh, P()))()
+    init = lambda: train.init_state(model_lib.GPT2(model_cfg), tx_fn, config.seed)  # pylint: disable=unnecessary-lambda-assignment
+    fresh = jax.jit(init, out_shardings=partitioner.state_shardings(jax.eval_shape(init)))()
     ckpt = ckpt_lib.Checkpointer(workdir, keep=config.keep_checkpoints)
     state = ckpt.restore_or_init(fresh)
     step = int(state.step)
     # The model the last step trained, so that resuming into a new phase enters it.
     current = method.model_at(step - 1, model_cfg, config) if step else model_cfg
-    return cls(config=config, workdir=workdir, mesh=mesh, data=data_lib.load_tokens(config.data),
+    return cls(config=config, workdir=workdir, partitioner=partitioner, data=load_tokens(config),
                method=method, base_cfg=model_cfg, model_cfg=current,
                tx=tx_fn(fresh.params, fresh.sparsity), state=state, ckpt=ckpt,
-               writer=metrics_lib.MetricWriter(workdir), step=step)
+               writer=metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0),
+               step=step)
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
@@ -147,30 +166,36 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     run.ckpt.close()
     with open(final_path, encoding="utf-8") as f:
       return json.load(f)
-  _write_config(workdir, config, run.step)
+  primary = jax.process_index() == 0
+  if primary:
+    _write_config(workdir, config, run.step)
   hooks = standard_hooks(run)
 
   from tqdm import tqdm  # pylint: disable=g-import-not-at-top
   bar = tqdm(total=run.total, initial=run.step, dynamic_ncols=True, mininterval=1.0,
-             disable=jax.process_index() != 0)
-  while run.step < run.total and run.step != config.stop_at_step:
-    run.set_model(run.step)
-    run.batch = shard_batch(local_batch(run.data.train, config, run.step), run.mesh)
-    hooks_lib.run_hooks(run, hooks, before_step=True)
-    run.state, metrics = train.train_step(run.state, run.batch, model=run.model, tx=run.tx)
-    run.pending.append(metrics)
-    run.step += 1
-    hooks_lib.run_hooks(run, hooks, before_step=False)
-    bar.set_postfix(run.postfix, refresh=False)
-    bar.update(1)
-  bar.close()
-  run.ckpt.close()
-  run.writer.close()
+             disable=not primary)
+  try:
+    while run.step < run.total and run.step != config.stop_at_step:
+      run.set_model(run.step)
+      run.batch = shard_batch(local_batch(run.data.train, config, run.step), run.partitioner)
+      hooks_lib.run_hooks(run, hooks, before_step=True)
+      run.state, metrics = train.train_step(run.state, run.batch, model=run.model, tx=run.tx,
+                                            accum_steps=config.grad_accum_steps,
+                                            partitioner=run.partitioner)
+      run.pending.append(metrics)
+      run.step += 1
+      hooks_lib.run_hooks(run, hooks, before_step=False)
+      bar.set_postfix(run.postfix, refresh=False)
+      bar.update(1)
+  finally:   # also after a non-finite stop: finish writing the good checkpoints
+    bar.close()
+    run.ckpt.close()
+    run.writer.close()
   if run.step == config.stop_at_step:
     logging.warning("stop_at_step=%d reached: leaving without a final checkpoint", run.step)
-    return run.final
-  with open(final_path, "w", encoding="utf-8") as f:
-    json.dump({k: float(v) for k, v in run.final.items() if v is not None}, f, indent=2)
+  elif primary:
+    with open(final_path, "w", encoding="utf-8") as f:
+      json.dump({k: float(v) for k, v in run.final.items() if v is not None}, f, indent=2)
   return run.final
 
 
@@ -189,9 +214,14 @@ def standard_hooks(run: Run) -> list[hooks_lib.Hook]:
   unigram = data_lib.unigram_entropy(run.data.train)
   run.final["data/unigram_entropy"] = unigram
   if run.step == 0:
+    # The initial state is a checkpoint too: a run that diverges early still leaves a finite
+    # state to restart from (NonFiniteError never saves and never rotates a good one out).
+    run.ckpt.save(0, run.state, force=True)
     run.write(0, {"data/unigram_entropy": unigram, "model/params": model_lib.num_params(
         run.state.params), "model/sparse_weights": state_lib.num_sparse_weights(
             run.state.params, run.state.sparsity)})
+  run.write(run.step, {"memory/state_bytes_per_device": sharding.bytes_per_device(
+      (run.state.params, run.state.opt_state))})
   logging.info("%s: params %.2fM, unigram entropy %.3f nats, %d devices, resume at step %d",
                run.model_cfg.describe(), model_lib.num_params(run.state.params) / 1e6,
                unigram, jax.device_count(), run.step)
@@ -204,6 +234,7 @@ def standard_hooks(run: Run) -> list[hooks_lib.Hook]:
 
   def log(run):
     pending, run.pending = jax.device_get(run.pending), []   # waits for the steps
+    check_finite(run, pending)
     scalars = summarise(pending, run.clock.lap(), fpt, peak)
     scalars["train/lr"] = float(lr_fn(run.step - 1))
     scalars["train/dense_phase"] = float(run.method.sparse
@@ -217,16 +248,19 @@ def standard_hooks(run: Run) -> list[hooks_lib.Hook]:
       run.postfix["flip"] = f"{scalars['train/flip_rate']:.2e}"
 
   def evaluate_(run):
-    loss = evaluate(run.state.params, run.state.sparsity, run.model, val_batches, run.mesh)
+    loss = evaluate(run.state.params, run.state.sparsity, run.model, val_batches,
+                    run.partitioner)
     run.write(run.step, {"val/loss": loss})
     run.postfix["val"] = f"{loss:.3f}"
 
   def checkpoint(run):
+    check_finite(run, jax.device_get(run.pending))   # the steps since the last log
     run.ckpt.save(run.step, run.state, force=True)   # async write; the device->host copy blocks
 
   def finish(run):
-    metrics_lib.plot(run.writer.jsonl_path, os.path.join(run.workdir, "metrics.png"),
-                     title=run.base_cfg.describe())
+    if run.writer.enabled:
+      metrics_lib.plot(run.writer.jsonl_path, os.path.join(run.workdir, "metrics.png"),
+                       title=run.base_cfg.describe())
     run.final.update(flops_lib.summary(flops))
     run.final["step"] = run.step
 
@@ -242,6 +276,26 @@ def standard_hooks(run: Run) -> list[hooks_lib.Hook]:
   ]
 
 
+def check_finite(run: Run, pending: list[dict]) -> None:
+  """Stops the run (NonFiniteError) if a step among the `pending` ones (fetched metrics of
+  the last len(pending) steps) had a non-finite loss or gradient norm: before anything is
+  logged or saved, so no non-finite state is ever checkpointed and no good one is rotated
+  out. Costs no extra device sync: it reads what the log or the checkpoint fetches anyway."""
+  for i, m in enumerate(pending):
+    if not m["finite"]:
+      step = run.step - len(pending) + i + 1
+      what = "loss" if not np.isfinite(m["loss"]) else "gradient norm"
+      value = m["loss"] / m["count"] if what == "loss" else m["grad_norm"]
+      run.ckpt.wait()
+      good = run.ckpt.latest_step()
+      where = (f"the last good checkpoint is step {good} in {run.ckpt.directory}"
+               if good is not None else "there is no checkpoint yet")
+      raise NonFiniteError(
+          f"step {step}: the {what} is not finite ({value}); training stopped. Nothing "
+          f"non-finite was saved; {where}. Lower optim.lr (or set optim.grad_clip) and "
+          "resume from it, or start a new --workdir.")
+
+
 def summarise(pending: list[dict], seconds: float, flops_per_token: float,
               peak: float | None) -> dict[str, float]:
   """Host-side reduction of the fetched metrics of one log interval: the mean loss per token,
@@ -249,7 +303,7 @@ def summarise(pending: list[dict], seconds: float, flops_per_token: float,
   except method state ('sparsity/...'), which is its latest value."""
   out = {"train/loss": float(sum(m["loss"] for m in pending) / sum(m["count"] for m in pending))}
   for k in pending[-1]:
-    if k in ("loss", "count"):
+    if k in ("loss", "count", "finite"):
       continue
     if k.startswith("sparsity/"):
       out[f"train/{k}"] = float(pending[-1][k])

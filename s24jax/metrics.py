@@ -38,17 +38,21 @@ def mfu(tokens_per_sec: float, flops_per_token: float, peak_per_device: float | 
 class MetricWriter:
   """Writes scalars to JSONL and TensorBoard (appending on resume, never truncating)."""
 
-  def __init__(self, workdir: str, *, tensorboard: bool = True):
+  def __init__(self, workdir: str, *, tensorboard: bool = True, enabled: bool = True):
+    """enabled=False (every process but the first of a multi-host run) writes nothing."""
     self.workdir = workdir
     os.makedirs(workdir, exist_ok=True)
     self.jsonl_path = os.path.join(workdir, "metrics.jsonl")
-    self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")
+    self.enabled = enabled
+    self._jsonl = open(self.jsonl_path, "a", encoding="utf-8") if enabled else None
     self._tb = None
-    if tensorboard:
+    if tensorboard and enabled:
       from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
       self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
 
   def write(self, step: int, scalars: dict[str, Any]) -> None:
+    if not self.enabled:
+      return
     record = {"step": int(step)}
     for k, v in scalars.items():
       if v is None:
@@ -65,13 +69,15 @@ class MetricWriter:
       self._tb.add_text(tag, text, 0)
 
   def flush(self) -> None:
-    self._jsonl.flush()
+    if self._jsonl is not None:
+      self._jsonl.flush()
     if self._tb is not None:
       self._tb.flush()
 
   def close(self) -> None:
     self.flush()
-    self._jsonl.close()
+    if self._jsonl is not None:
+      self._jsonl.close()
     if self._tb is not None:
       self._tb.close()
 

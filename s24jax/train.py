@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import optax
 
 from s24jax import losses
+from s24jax import sharding
 from s24jax.model import GPT2
 from s24jax.state import TrainState
 
@@ -31,32 +32,73 @@ def _variables(params, sparsity):
   return {"params": params, "sparsity": sparsity} if sparsity else {"params": params}
 
 
-@functools.partial(jax.jit, static_argnames=("model", "tx"), donate_argnames=("state",))
+def _micro_batches(batch: Batch, k: int) -> Batch:
+  """(B, ...) -> (k, B / k, ...): micro-batch i holds rows i, i + k, i + 2k, ..., so each one
+  keeps the batch's split over the devices (rows are sharded in contiguous blocks)."""
+  return jax.tree.map(
+      lambda x: jnp.swapaxes(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 0, 1), batch)
+
+
+def loss_and_grads(params: Any, sparsity: Any, batch: Batch, key: jax.Array, *, model: GPT2,
+                   accum_steps: int = 1) -> tuple[jax.Array, Any]:
+  """(summed token loss, gradient of the mean token loss) over the whole batch.
+
+  With accum_steps = k > 1 the batch is split into k micro-batches inside a lax.scan that
+  sums their gradients: the same math as one big batch (each micro-batch's summed loss is
+  divided by the whole batch's token count), with the activations of one micro-batch alive
+  at a time. Micro-batch i draws its sparse-op randomness (MVUE) from fold_in(key, i).
+  """
+  tokens = batch["targets"].size
+
+  def grads_of(b, k):
+    def loss_fn(p):
+      logits = model.apply(_variables(p, sparsity), b["inputs"],
+                           rngs={"sparsity": k})                               # (b, T, V)
+      loss_sum = losses.cross_entropy_sum(logits, b["targets"])
+      return loss_sum / tokens, loss_sum
+    (_, loss_sum), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    return loss_sum, grads
+
+  if accum_steps == 1:
+    return grads_of(batch, key)
+
+  def body(carry, xs):
+    loss_sum, grads = grads_of(*xs)
+    return jax.tree.map(jnp.add, carry, (loss_sum, grads)), None
+
+  zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+  keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(accum_steps))
+  (loss_sum, grads), _ = jax.lax.scan(body, zero, (_micro_batches(batch, accum_steps), keys))
+  return loss_sum, grads
+
+
+@functools.partial(jax.jit, static_argnames=("model", "tx", "accum_steps", "partitioner"),
+                   donate_argnames=("state",))
 def train_step(state: TrainState, batch: Batch, *, model: GPT2,
-               tx: optax.GradientTransformationExtraArgs
+               tx: optax.GradientTransformationExtraArgs, accum_steps: int = 1,
+               partitioner: sharding.Partitioner | None = None
                ) -> tuple[TrainState, dict[str, jax.Array]]:
-  """One optimizer step. Returns the new state and metrics (loss as a sum plus a count)."""
+  """One optimizer step (of `accum_steps` micro-batches). Returns the new state and metrics
+  (loss as a sum plus a count; `finite`: loss and gradient norm are finite)."""
   method = model.config.sparsity.method
-  rng = jax.random.fold_in(state.rng, state.step)
-  rngs = {"sparsity": jax.random.fold_in(rng, _SPARSITY_STREAM)}
-
-  def loss_fn(params):
-    logits = model.apply(_variables(params, state.sparsity), batch["inputs"],
-                         rngs=rngs)                                              # (B, T, V)
-    loss_sum = losses.cross_entropy_sum(logits, batch["targets"])
-    return loss_sum / batch["targets"].size, loss_sum
-
-  (_, loss_sum), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+  key = jax.random.fold_in(jax.random.fold_in(state.rng, state.step), _SPARSITY_STREAM)
+  loss_sum, grads = loss_and_grads(state.params, state.sparsity, batch, key, model=model,
+                                   accum_steps=accum_steps)
   raw_grads, grads = grads, method.gradients(grads, state.sparsity)
   updates, opt_state = tx.update(grads, state.opt_state, state.params,
                                  **method.optimizer_args(state.params, state.sparsity))
   params = optax.apply_updates(state.params, updates)
   params, sparsity, method_metrics = method.after_update(params, state.sparsity, state.step)
+  grad_norm = optax.tree.norm(grads)
   metrics = {"loss": loss_sum, "count": jnp.asarray(batch["targets"].size, jnp.float32),
-             "grad_norm": optax.tree.norm(grads), **method_metrics}
+             "grad_norm": grad_norm, "finite": jnp.isfinite(loss_sum) & jnp.isfinite(grad_norm),
+             **method_metrics}
   new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
                             sparsity=sparsity)
-  return method.finish_step(state, new_state, raw_grads, metrics)
+  new_state, metrics = method.finish_step(state, new_state, raw_grads, metrics)
+  if partitioner is not None:
+    new_state = partitioner.constrain(new_state)
+  return new_state, metrics
 
 
 @functools.partial(jax.jit, static_argnames=("model",))
