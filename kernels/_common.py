@@ -278,6 +278,16 @@ def pack_nibbles(nib: jax.Array) -> jax.Array:
   return jnp.sum(nib << shift, axis=-1, dtype=jnp.uint32)
 
 
+def pack_nibbles_along_rows(nib: jax.Array) -> jax.Array:
+  """[G, C] uint32 nibbles (G % 8 == 0), groups along axis 0 -> [G/8, C] words:
+  `pack_nibbles(nib.T).T` without a transpose (for kernels that keep the
+  grouped axis first)."""
+  g, cols = nib.shape
+  nib = nib.reshape(g // GROUPS_PER_WORD, GROUPS_PER_WORD, cols)
+  shift = lax.broadcasted_iota(jnp.uint32, nib.shape, 1) * 4
+  return jnp.sum(nib << shift, axis=1, dtype=jnp.uint32)
+
+
 def unpack_nibbles(words: jax.Array) -> jax.Array:
   """[..., W] uint32 words -> [..., 8W] uint32 nibbles (a broadcast + shift)."""
   *lead, w = words.shape

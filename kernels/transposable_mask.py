@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 
 import jax
 from jax import lax
@@ -67,61 +68,45 @@ class TransposableMaskConfig(c.BlockConfig):
       raise ValueError("blocks must hold at least one 4x4 block.")
 
 
-_NUM_PADDED = 128   # 90 patterns padded to a power of two
+# The pair of kept columns of every row of every pattern, as an index into
+# _PAIRS (itertools.combinations order): _ROW_PAIRS[p][r].
+_PAIRS = tuple(itertools.combinations(range(4), 2))
+_ROW_PAIRS = tuple(
+    tuple(_PAIRS.index(tuple(int(c) for c in np.flatnonzero(row)))
+          for row in pattern)
+    for pattern in masks.TRANSPOSABLE_PATTERNS)
 
 
-def _bitrev4(i: int) -> int:
-  return int(f"{i:04b}"[::-1], 2)
+def _best_pattern_code(mags):
+  """mags[r][c] [gr, gc] f32 -> int32 code (bit 4r + c) of the best pattern.
 
-
-def _kernel_tables():
-  """(pattern matrix [16, 128] f32 with rows in stacked-column order,
-  codes [1, 128] int32); pad columns are zero with pattern 0's code."""
-  n = len(PATTERN_CODES)
-  pm = np.zeros((16, _NUM_PADDED), np.float32)
-  for i in range(16):
-    pm[_bitrev4(i), :n] = PATTERN_MATRIX[:, i]
-  codes = np.full((1, _NUM_PADDED), PATTERN_CODES[0], np.int32)
-  codes[0, :n] = PATTERN_CODES
-  return pm, codes
-
-
-def _stack16(parts):
-  """16 arrays [..] -> [.., 16] by pairwise stacking (tt.join on Triton).
-
-  Column j of the result holds parts[_bitrev4(j)].
+  score(p) = sum over rows r of the pair sum |w[r, c1]| + |w[r, c2]| of the
+  pair row r keeps in pattern p: 24 pair sums, then 3 adds per pattern, and a
+  running first maximum over the patterns in the reference's order (strict >,
+  so ties go to the lower pattern index, as argmax does). Elementwise on
+  [gr, gc] arrays only: no [blocks, 90] score matrix in registers.
   """
-  level = [jnp.stack([parts[2 * i], parts[2 * i + 1]], axis=-1)
-           for i in range(8)]
-  while len(level) > 1:
-    nxt = []
-    for i in range(len(level) // 2):
-      s = jnp.stack([level[2 * i], level[2 * i + 1]], axis=-1)
-      nxt.append(s.reshape(*s.shape[:-2], s.shape[-2] * 2))
-    level = nxt
-  return level[0]
+  pair = [[mags[r][i] + mags[r][j] for (i, j) in _PAIRS] for r in range(4)]
+  best = code = None
+  for p, rp in enumerate(_ROW_PAIRS):
+    score = ((pair[0][rp[0]] + pair[1][rp[1]]) + pair[2][rp[2]]) + pair[3][rp[3]]
+    if best is None:
+      best = score
+      code = jnp.full(score.shape, PATTERN_CODES[p], jnp.int32)
+    else:
+      better = score > best
+      best = jnp.where(better, score, best)
+      code = jnp.where(better, PATTERN_CODES[p], code)
+  return code
 
 
-def _best_pattern_code(mags, pm_ref, codes_ref):
-  """mags[r][c] [gr, gc] -> int32 code (bit 4r + c) of the best pattern."""
-  gr, gc = mags[0][0].shape
-  a = _stack16([mags[r][col] for r in range(4) for col in range(4)])
-  a = a.reshape(gr * gc, 16)
-  scores = jnp.dot(a, pm_ref[...], precision=lax.Precision.HIGHEST,
-                   preferred_element_type=jnp.float32)      # [blocks, 128]
-  best = jnp.argmax(scores, axis=1).astype(jnp.int32)      # first max
-  onehot = lax.broadcasted_iota(jnp.int32, scores.shape, 1) == best[:, None]
-  code = jnp.max(jnp.where(onehot, codes_ref[...], 0), axis=1)
-  return code.reshape(gr, gc)
-
-
-def _transposable_kernel(w_ref, pm_ref, codes_ref, *out_refs, br, bc, rows,
+def _transposable_kernel(w_ref, *out_refs, br, bc, rows,
                          cols, with_compressed):
   gr, gc = br // 4, bc // 4
   a = [[w_ref[pl.ds(r, gr, stride=4), pl.ds(col, gc, stride=4)]
         for col in range(4)] for r in range(4)]
   mags = [[jnp.abs(x.astype(jnp.float32)) for x in row] for row in a]
-  code = _best_pattern_code(mags, pm_ref, codes_ref)
+  code = _best_pattern_code(mags)
   bits = [[((code >> (4 * r + col)) & 1) == 1 for col in range(4)]
           for r in range(4)]
   mask_ref = out_refs[0]
@@ -130,7 +115,7 @@ def _transposable_kernel(w_ref, pm_ref, codes_ref, *out_refs, br, bc, rows,
       mask_ref[pl.ds(r, gr, stride=4), pl.ds(col, gc, stride=4)] = bits[r][col]
   if not with_compressed:
     return
-  values_ref, meta_ref, values_t_ref, meta_t_ref = out_refs[1:]
+  values_ref, meta_ref, values_tt_ref, meta_tt_ref = out_refs[1:]
   empty = jnp.uint32(c.EMPTY_NIBBLE)
   # Global 4x4-block coordinates, to write EMPTY into padding groups.
   blk_r = pl.program_id(0) * gr + lax.broadcasted_iota(jnp.int32, (gr, gc), 0)
@@ -143,20 +128,24 @@ def _transposable_kernel(w_ref, pm_ref, codes_ref, *out_refs, br, bc, rows,
     values_ref[pl.ds(r, gr, stride=4), pl.ds(1, gc, stride=2)] = v1
     meta_ref[pl.ds(r, gr, stride=4), :] = c.pack_nibbles(nib)
   # W~^T rows: group = (column 4C + col, block row R), positions = rows.
+  # Written transposed, as (W~^T values)^T [2R + s, 4C + col] and (meta_t)^T
+  # [R // 8, 4C + col] (the caller transposes them back): no in-register
+  # transpose, whose layout conversions made Triton rematerialize the
+  # pattern search and spill (or run out of memory compiling).
   for col in range(4):
     sel = [bits[r][col] for r in range(4)]
     i0, i1, v0, v1 = c.slots_from_selection(sel, [a[r][col] for r in range(4)])
     nib = jnp.where(blk_r < rows // 4, c.nibble(i0, i1), empty)
-    values_t_ref[pl.ds(col, gc, stride=4), pl.ds(0, gr, stride=2)] = v0.T
-    values_t_ref[pl.ds(col, gc, stride=4), pl.ds(1, gr, stride=2)] = v1.T
-    meta_t_ref[pl.ds(col, gc, stride=4), :] = c.pack_nibbles(nib.T)
+    values_tt_ref[pl.ds(0, gr, stride=2), pl.ds(col, gc, stride=4)] = v0
+    values_tt_ref[pl.ds(1, gr, stride=2), pl.ds(col, gc, stride=4)] = v1
+    meta_tt_ref[:, pl.ds(col, gc, stride=4)] = c.pack_nibbles_along_rows(nib)
 
 
 @functools.partial(jax.jit, static_argnames=("with_compressed", "config",
                                              "interpret", "poison"))
 def _transposable(w, *, with_compressed, config, interpret, poison=False):
   r, k = w.shape
-  # >= 16 per axis keeps the scoring matmul at M >= 16 blocks (MMA minimum).
+  # >= 16 per axis: at least 4 x 4 blocks per program.
   minimum = c.COLS_PER_WORD if with_compressed else 16
   bc, kp = c.fit_block(k, max(config.block_cols, minimum), minimum=minimum)
   br, rp = c.fit_block(r, max(config.block_rows, minimum), minimum=minimum)
@@ -167,32 +156,29 @@ def _transposable(w, *, with_compressed, config, interpret, poison=False):
     out_shape += [
         jax.ShapeDtypeStruct((rp, kp // 2), w.dtype),
         jax.ShapeDtypeStruct((rp, kp // c.COLS_PER_WORD), jnp.uint32),
-        jax.ShapeDtypeStruct((kp, rp // 2), w.dtype),
-        jax.ShapeDtypeStruct((kp, rp // c.COLS_PER_WORD), jnp.uint32)]
+        jax.ShapeDtypeStruct((rp // 2, kp), w.dtype),
+        jax.ShapeDtypeStruct((rp // c.COLS_PER_WORD, kp), jnp.uint32)]
     out_specs += [
         pl.BlockSpec((br, bc // 2), lambda i, j: (i, j)),
         pl.BlockSpec((br, bc // c.COLS_PER_WORD), lambda i, j: (i, j)),
-        pl.BlockSpec((bc, br // 2), lambda i, j: (j, i)),
-        pl.BlockSpec((bc, br // c.COLS_PER_WORD), lambda i, j: (j, i))]
-  pm, codes = _kernel_tables()
+        pl.BlockSpec((br // 2, bc), lambda i, j: (i, j)),
+        pl.BlockSpec((br // c.COLS_PER_WORD, bc), lambda i, j: (i, j))]
   outs = c.pallas_call(
       functools.partial(_transposable_kernel, br=br, bc=bc, rows=r, cols=k,
                         with_compressed=with_compressed),
       out_shape=out_shape, grid=(rp // br, kp // bc),
-      in_specs=[pl.BlockSpec((br, bc), lambda i, j: (i, j)),
-                pl.BlockSpec(pm.shape, lambda i, j: (0, 0)),
-                pl.BlockSpec(codes.shape, lambda i, j: (0, 0))],
+      in_specs=[pl.BlockSpec((br, bc), lambda i, j: (i, j))],
       out_specs=out_specs, num_warps=config.num_warps,
       num_stages=config.num_stages, interpret=interpret, poison=poison,
       name="transposable_mask24",
-  )(wp, jnp.asarray(pm), jnp.asarray(codes))
+  )(wp)
   mask = outs[0][:r, :k]
   if not with_compressed:
     return mask
-  values, meta, values_t, meta_t = outs[1:]
+  values, meta, values_tt, meta_tt = outs[1:]
   return (mask,
           (values[:r, :k // 2], meta[:r, :c.meta_words(k)]),
-          (values_t[:k, :r // 2], meta_t[:k, :c.meta_words(r)]))
+          (values_tt.T[:k, :r // 2], meta_tt.T[:k, :c.meta_words(r)]))
 
 
 def _check(w, two_d):

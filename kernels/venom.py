@@ -54,10 +54,16 @@ def column_subsets(m: int) -> tuple[tuple[int, int, int, int], ...]:
 @dataclasses.dataclass(frozen=True)
 class VenomConfig(c.BlockConfig):
   """block_blocks: column blocks per program (power of two, >= 8 so a tile
-  holds whole metadata words; >= 16 for the matmul's MMA K). block_n: output
-  features per matmul program."""
-  block_blocks: int = 16
+  holds whole metadata words; the matmul uses max(block_blocks, 16), its MMA
+  K). block_n: output features per matmul program.
+
+  Defaults: the compress tile is v x (8 * m) = 64 x 64 at the project's v = 64,
+  m = 8, and 8 warps: 16 elements per thread, ~100 registers and no spills on
+  sm_80 / sm_90a (16 blocks or 4 warps reach 255 registers and spill;
+  `python -m kernels.compile_check`)."""
+  block_blocks: int = 8
   block_n: int = 64
+  num_warps: int = dataclasses.field(default=8, kw_only=True)
 
   def __post_init__(self):
     super().__post_init__()

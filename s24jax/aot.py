@@ -89,8 +89,8 @@ def start(dump_dir: str | os.PathLike | None = None) -> None:
     flags = os.environ.get("XLA_FLAGS", "").split()
     flags = [f for f in flags if not f.startswith("--xla_dump_to")]
     os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_dump_to={dump_dir}"])
+    # Mosaic GPU then dumps MLIR, PTX, its own ptxas -v output and SASS (with nvdisasm).
     os.environ["MOSAIC_GPU_DUMP_TO"] = dump_dir
-    os.environ["MOSAIC_GPU_DUMP_PTX"] = "1"
   import jax   # pylint: disable=g-import-not-at-top
   from jax._src import xla_bridge   # pylint: disable=g-import-not-at-top
   if xla_bridge.backends_are_initialized():
@@ -241,34 +241,57 @@ class KernelResources:
   smem_bytes: int            # static shared memory (dynamic smem is set at launch)
   instructions: dict[str, int]
   ptx_file: str = ""
+  sass_mma: dict[str, int] | None = None   # MMA opcodes in the SASS, when it was dumped
+
+
+# SASS opcodes of the tensor-core MMAs (Blackwell UTC*MMA, Hopper HGMMA, Ampere HMMA).
+SASS_MMA = {"UTC*MMA": re.compile(r"\bUTC\w*MMA\b"), "HGMMA": re.compile(r"\bHGMMA\b"),
+            "HMMA": re.compile(r"\bHMMA\b")}
 
 
 _ENTRY = re.compile(r"\.entry\s+([\w$.]+)\s*\(")
 _COMPILING = re.compile(r"Compiling entry function '([^']+)' for '([^']+)'")
 _PROPS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
-_USED = re.compile(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?")
+_USED = re.compile(r"Used (\d+) registers(?:.*?\b(\d+) bytes smem)?")
 
 
 def ptxas_report(ptx_file: str | os.PathLike, gpu: str) -> list[KernelResources]:
-  """Runs `ptxas -v` (the plugin's ptxas, the GPU's arch) on one PTX file; one record per
-  entry function, with the tensor-core instructions found in the PTX (per file: ptxas
-  reports per entry, PTX entries of one file share their module's instructions)."""
+  """`ptxas -v` of one PTX file for the GPU's arch; one record per entry function, with the
+  tensor-core instructions found in the PTX (per file: a file's entries share them).
+
+  Mosaic GPU dumps its own ptxas -v output (`<name>.ptxas`, its flags) and SASS beside the
+  PTX; those are read when present. Otherwise the plugin's ptxas runs with XLA's defaults.
+  """
   tgt: Target = target(gpu)
-  exe = ptxas_path()
-  if exe is None:
-    raise PluginMissing(f"no ptxas: run `{INSTALL_HINT}`.")
-  text = pathlib.Path(ptx_file).read_text()
-  arch = (re.findall(r"^\.target\s+(\w+)", text, re.M) or [tgt.arch])[0]
-  r = subprocess.run([exe, f"-arch={arch}", "-v", "--warn-on-spills", str(ptx_file), "-o",
-                      os.devnull], capture_output=True, text=True, check=False)
-  if r.returncode:
-    raise RuntimeError(f"ptxas failed on {ptx_file}:\n{r.stderr[-2000:]}")
+  ptx_file = pathlib.Path(ptx_file)
+  text = ptx_file.read_text()
+  own = ptx_file.with_suffix(".ptxas")
+  if own.exists():
+    log = own.read_text()
+  else:
+    exe = ptxas_path()
+    if exe is None:
+      raise PluginMissing(f"no ptxas: run `{INSTALL_HINT}`.")
+    arch = (re.findall(r"^\.target\s+(\w+)", text, re.M) or [tgt.arch])[0]
+    r = subprocess.run([exe, f"-arch={arch}", "-v", "--warn-on-spills", str(ptx_file), "-o",
+                        os.devnull], capture_output=True, text=True, check=False)
+    if r.returncode:
+      raise RuntimeError(f"ptxas failed on {ptx_file}:\n{r.stderr[-2000:]}")
+    log = r.stdout + r.stderr
   instr = mma_instructions(text)
+  sass = None
+  for suffix in (".sass", ".sass_ctrl"):
+    if (f := ptx_file.with_suffix(suffix)).exists():
+      sass_text = f.read_text()
+      sass = {k: len(p.findall(sass_text)) for k, p in SASS_MMA.items()}
+      sass = {k: v for k, v in sass.items() if v}
+      break
   out: list[KernelResources] = []
   cur = None
-  for line in (r.stdout + r.stderr).splitlines():
+  for line in log.splitlines():
     if m := _COMPILING.search(line):
-      cur = KernelResources(m.group(1), m.group(2), 0, 0, 0, 0, dict(instr), str(ptx_file))
+      cur = KernelResources(m.group(1), m.group(2), 0, 0, 0, 0, dict(instr), str(ptx_file),
+                            sass)
       out.append(cur)
     elif cur is not None and (m := _PROPS.search(line)):
       cur.stack_bytes = int(m.group(1))
@@ -285,7 +308,7 @@ def ptx_files(dump_dir: str | os.PathLike) -> list[pathlib.Path]:
 
 
 __all__ = [
-    "INSTALL_HINT", "MMA_PATTERNS", "KernelResources", "PluginMissing", "TARGETS", "abstract",
+    "INSTALL_HINT", "MMA_PATTERNS", "SASS_MMA", "KernelResources", "PluginMissing", "TARGETS", "abstract",
     "check_plugin", "compile_for_gpu", "cpu_unless_gpu", "devices", "flops", "memory_report", "mesh",
     "mma_instructions", "nvidia_driver_present", "plugin_available", "ptx_files",
     "ptxas_path", "ptxas_report", "spec", "start",
