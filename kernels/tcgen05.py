@@ -259,18 +259,29 @@ def _tile_n(n: int, cfg: Tcgen05Config) -> int:
   return 64 if n <= 64 else cfg.tile_n
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "config"))
-def _sparse_matmul(a_values, a_meta, b, *, out_dtype, config):
-  m, k = a_values.shape[0], 2 * a_values.shape[1]
-  n = b.shape[0]
+def prepare_operands(a_values, a_meta, b, config: Tcgen05Config):
+  """Pads to whole tiles and converts the metadata (plain jnp; runs anywhere).
+
+  Returns (values [Mp, Kp/2], b [Np, Kp], tcgen05 metadata (Mp/128, Kp/128, 128, 64) uint2,
+  the config with its N tile). Padding: zero values with empty groups (positions 0, 1) in A,
+  zero rows / columns in B, so the padded product restricted to [:M, :N] is unchanged.
+  """
+  k, n = 2 * a_values.shape[1], b.shape[0]
   cfg = dataclasses.replace(config, tile_n=_tile_n(n, config))
   kp = -(-k // cfg.tile_k) * cfg.tile_k
   values = _pad_to(c.pad_axis(a_values, 1, kp // 2), 0, _TILE_M)
   meta = _pad_to(c.pad_axis(a_meta.astype(jnp.uint32), 1, c.meta_words(kp), c.EMPTY_WORD),
                  0, _TILE_M, c.EMPTY_WORD)
+  # Unused nibbles of the last word of a row (K % 32 != 0) are EMPTY by the format.
   b = _pad_to(c.pad_axis(b, 1, kp), 0, cfg.tile_n)
-  fmt = tcgen05_metadata(meta, kp, a_values.dtype)
-  out = _build(values.shape[0], b.shape[0], kp, a_values.dtype, out_dtype, cfg)(
+  return values, b, tcgen05_metadata(meta, kp, a_values.dtype), cfg
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config"))
+def _sparse_matmul(a_values, a_meta, b, *, out_dtype, config):
+  m, n = a_values.shape[0], b.shape[0]
+  values, b, fmt, cfg = prepare_operands(a_values, a_meta, b, config)
+  out = _build(values.shape[0], b.shape[0], b.shape[1], a_values.dtype, out_dtype, cfg)(
       values, b, fmt)
   return out[:m, :n]
 
@@ -338,6 +349,7 @@ def weight_grad(dy: jax.Array, x: jax.Array, seed, *,
   Unbiased: E[dW~] = dY^T x. `interpret` applies to the MVUE compress kernel only.
   """
   from kernels.mvue24 import mvue24_compress   # pylint: disable=g-import-not-at-top
+  check_device()
   values, meta = mvue24_compress(dy.T, seed, interpret=interpret)   # (out, T/2), (out, T/32)
   return sparse_matmul(values, meta, x.T, config=config)
 
@@ -383,4 +395,5 @@ def compile_check_cases(gpu: str, widths, tokens):
 
 
 __all__ = ["NotBlackwellError", "Tcgen05Config", "check_device", "data_grad", "forward",
-           "metadata_pairs", "reference", "sparse_matmul", "tcgen05_metadata", "weight_grad"]
+           "kernel_key", "metadata_pairs", "prepare_operands", "reference", "smem_bytes",
+           "sparse_matmul", "tcgen05_metadata", "weight_grad"]
