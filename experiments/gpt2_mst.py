@@ -24,7 +24,8 @@ from s24jax.config import apply_variant, base_config
 def get_config(variant=None):
   config = base_config()
   config.sparsity.projection = "mst"
-  config.sparsity.sparse_layers = ("*/attn/*", "*/mlp/*")
+  # The reference's sparse set: every linear layer and the tied LM head / token embedding.
+  config.sparsity.sparse_layers = ("*/attn/*", "*/mlp/*", "wte")
   config.sparsity.mst.sparse_attention = "strided"
   config = apply_variant(config, variant)
   if variant == "tiny":

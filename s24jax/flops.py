@@ -9,10 +9,14 @@ Counted per step (a multiply-add is 2 FLOPs; tokens = batch_size * seq_len):
   (twice the forward) 12 C pairs; pairs = T (T + 1) / 2 for dense causal attention (only the
   pairs a causal kernel needs, not the T^2 of the usual 6N + 12 L T C estimate), fewer for
   the strided patterns (s24jax/attention_masks.py);
-- the tied lm head (dense): 6 V C tokens;
-- an MST topology update (s24jax/methods/mst.py) adds one forward/backward on the step's batch for
-  the dense gradient: linear 4 nnz + 2 out*in (the dense weight gradient) per token,
-  attention 12 C pairs, head 4 V C per token (no head weight gradient).
+- the tied lm head: 6 V C tokens, or 6 nnz tokens when the tied embedding 'wte' is a sparse
+  layer (MST's reference set: the head is then a sparse (V, C) weight; the embedding lookup
+  is a gather and costs nothing either way);
+- a step that needs the dense weight gradient of its sparse layers (an MST topology update,
+  s24jax/methods/mst.py: growth reads dL/dW~ at the pruned entries too) computes it instead
+  of the active part: per token 4 nnz + 2 out*in instead of 6 nnz, for the linear layers
+  and a sparse head alike. There is no extra pass: the update step's forward/backward is
+  the growth gradient (and its optimizer step is skipped, or taken with the same gradient).
 Not counted: layer norms, softmax, activations, residual adds, embedding gathers and the
 optimizer (all O(params) or O(tokens * C), not O(tokens * params)).
 
@@ -22,8 +26,8 @@ dense count of this same model (`dense_flops_per_token`): there is one FLOP mode
 
     python -m s24jax.flops experiments/gpt2_mst.py:124m
 
-prints the planned totals of a config without training (the masks of an MST run follow the
-schedule exactly, so the plan equals what the loop logs).
+prints the planned totals of a config without training (an MST run's active counts follow
+from its schedule alone, so the plan equals what the loop logs).
 """
 from __future__ import annotations
 
@@ -42,14 +46,20 @@ from s24jax import model as model_lib
 from s24jax import state as state_lib
 
 
+# The tied token embedding / LM head's module name (s24jax/model.py): a key of `nnz` when it
+# is a sparse layer.
+HEAD = "wte"
+
+
 @dataclasses.dataclass(frozen=True)
 class StepFlops:
-  """FLOPs by part; `total` = linear + attention + head. The MST updates' extra pass is
-  included in those three parts; `update` says how much of the total it is."""
+  """FLOPs by part; `total` = linear + attention + head. The dense weight gradients of MST's
+  update steps are included in linear and head; `update` says how much of the total they
+  add over the sparse (active-entry) weight gradient."""
   linear: float = 0.0
   attention: float = 0.0
   head: float = 0.0
-  update: float = 0.0     # of the above: MST topology updates' extra forward/backward
+  update: float = 0.0     # of the above: dense instead of sparse weight gradients
 
   @property
   def total(self) -> float:
@@ -76,24 +86,27 @@ def attention_flops(model_cfg, attention: str, *, batch_size: int, seq_len: int)
 
 def step_flops(model_cfg, shapes: Mapping[str, tuple[int, int]], nnz: Mapping[str, int], *,
                batch_size: int, seq_len: int, attention: str,
-               topology_update: bool = False) -> StepFlops:
-  """FLOPs of one training step. `nnz` maps kernel names to their active count (kernels not
-  in it are dense); `topology_update` adds the MST update's dense-gradient pass."""
-  unknown = set(nnz) - set(shapes)
+               dense_weight_gradient: bool = False) -> StepFlops:
+  """FLOPs of one training step. `nnz` maps kernel names, and HEAD for a sparse tied head, to
+  their active count (the others are dense); `dense_weight_gradient`: the step computes the
+  sparse layers' weight gradient densely (an MST topology update)."""
+  unknown = set(nnz) - set(shapes) - {HEAD}
   if unknown:
     raise ValueError(f"nnz given for unknown linear layers {sorted(unknown)}; the model's are "
-                     f"{sorted(shapes)}")
+                     f"{sorted(shapes)} (and {HEAD!r}, the tied head)")
   tokens = batch_size * seq_len
   active = sum(int(nnz.get(k, o * i)) for k, (o, i) in shapes.items())
   size = sum(o * i for o, i in shapes.values())
   att = attention_flops(model_cfg, attention, batch_size=batch_size, seq_len=seq_len)
   vc = model_cfg.vocab_size * model_cfg.d_model
-  train = StepFlops(linear=6.0 * active * tokens, attention=att, head=6.0 * vc * tokens)
-  if not topology_update:
-    return train
-  extra = StepFlops(linear=(4.0 * active + 2.0 * size) * tokens, attention=att,
-                    head=4.0 * vc * tokens)
-  return dataclasses.replace(train + extra, update=extra.total)
+  head_active = int(nnz.get(HEAD, vc))
+  extra_linear = extra_head = 0.0
+  if dense_weight_gradient:
+    extra_linear = 2.0 * (size - active) * tokens
+    extra_head = 2.0 * (vc - head_active) * tokens
+  return StepFlops(linear=6.0 * active * tokens + extra_linear, attention=att,
+                   head=6.0 * head_active * tokens + extra_head,
+                   update=extra_linear + extra_head)
 
 
 class Accountant:
@@ -111,28 +124,28 @@ class Accountant:
     self.nnz: dict[str, int] = {}
     self._cache: dict[Any, StepFlops] = {}
 
-  def _step(self, nnz: Mapping[str, int], attention: str, update: bool) -> StepFlops:
-    key = (tuple(sorted(nnz.items())), attention, update)
+  def _step(self, nnz: Mapping[str, int], attention: str, dense_dw: bool) -> StepFlops:
+    key = (tuple(sorted(nnz.items())), attention, dense_dw)
     if key not in self._cache:
       self._cache[key] = step_flops(self.model_cfg, self.shapes, nnz, batch_size=self.batch_size,
                                     seq_len=self.seq_len, attention=attention,
-                                    topology_update=update)
+                                    dense_weight_gradient=dense_dw)
     return self._cache[key]
 
   def add_step(self, step_cfg, step: int, masked: Mapping[str, tuple[int, int]],
                config) -> None:
     """Counts `step`, trained by the model `step_cfg` (its method's flop profile and its
     attention pattern); `masked` are the sparse layers' shapes."""
-    nnz, extra = step_cfg.sparsity.method.flop_profile(step, masked, config)
-    self.add(nnz, step_cfg.attention, topology_update=extra)
+    nnz, dense_dw = step_cfg.sparsity.method.flop_profile(step, masked, config)
+    self.add(nnz, step_cfg.attention, dense_weight_gradient=dense_dw)
 
   def add(self, nnz: Mapping[str, int] | None, attention: str, *,
-          topology_update: bool = False) -> None:
+          dense_weight_gradient: bool = False) -> None:
     """Counts one step with these active counts (None: those of the previous step) and
     attention pattern."""
     if nnz is not None:
       self.nnz = dict(nnz)
-    self.last = self._step(self.nnz, attention, topology_update)
+    self.last = self._step(self.nnz, attention, dense_weight_gradient)
     self.total = self.total + self.last
     self.dense_total = self.dense_total + self._step({}, "causal", False)
     self.steps += 1
@@ -147,7 +160,7 @@ class Accountant:
 
 def summary(acct: Accountant) -> dict[str, float]:
   """Totals by part and the reduction factor dense / run (the '4x fewer FLOPs' number), also
-  without the dense lm head (which no sparse method touches)."""
+  without the lm head (dense unless 'wte' is a sparse layer, as in MST's reference set)."""
   t, d = acct.total, acct.dense_total
   no_head = (t.total - t.head)
   return {"flops_total": t.total, "flops_dense_total": d.total,
@@ -165,8 +178,10 @@ def model_shapes(config) -> tuple[Any, dict[str, tuple[int, int]], dict[str, tup
                              tokens)
   shapes = linear_kernel_shapes(variables["params"])
   sparsity = variables.get("sparsity", {})
-  masked = {state_lib.layer_name(p): shapes[state_lib.layer_name(p)]
-            for p in state_lib.sparse_layer_paths(sparsity)}
+  masked = {}
+  for p in state_lib.sparse_layer_paths(sparsity):   # linear kernels, and the tied head
+    layer = state_lib.get_path(variables["params"], p)
+    masked[state_lib.layer_name(p)] = tuple(layer[state_lib.weight_name(layer)].shape)
   return model_cfg, shapes, masked
 
 
@@ -179,9 +194,9 @@ def dense_flops_per_token(model_cfg, shapes: Mapping[str, tuple[int, int]]) -> f
 
 def planned(config, upto: int | None = None) -> Accountant:
   """The accountant of steps [0, upto) of `config` (default: all), from the method's schedule
-  alone (`Method.model_at`, `Method.flop_profile`). MST prunes exactly to its target counts
-  at every update (asserted where it runs), so this is what the loop logs; a resumed run
-  starts its accountant from here."""
+  alone (`Method.model_at`, `Method.flop_profile`). MST's active counts follow from its
+  schedule (its loop hook checks them at every update), so this is what the loop logs; a
+  resumed run starts its accountant from here."""
   model_cfg, shapes, masked = model_shapes(config)
   acct = Accountant(model_cfg, shapes, batch_size=config.batch_size,
                     seq_len=config.model.seq_len)

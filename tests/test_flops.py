@@ -61,18 +61,24 @@ def test_sparse_masks_and_attention(pattern):
                      attention=pattern)
 
 
-def test_topology_update_pass():
+def test_dense_weight_gradient_step():
+  """An MST update step: 4 nnz + 2 out*in per token instead of 6 nnz (the dense weight
+  gradient), no extra pass; a sparse tied head ('wte' in nnz) likewise."""
   config = _config()
   model_cfg, shapes, _ = flops.model_shapes(config)
   B, T, V, C = 2, config.model.seq_len, config.model.vocab_size, 32
   nnz = {k: (o * i) // 5 for k, (o, i) in shapes.items()}
   plain = flops.step_flops(model_cfg, shapes, nnz, batch_size=B, seq_len=T, attention="causal")
   upd = flops.step_flops(model_cfg, shapes, nnz, batch_size=B, seq_len=T, attention="causal",
-                         topology_update=True)
+                         dense_weight_gradient=True)
   size = sum(o * i for o, i in shapes.values())
-  extra = (4 * sum(nnz.values()) + 2 * size) * B * T + plain.attention + 4 * V * C * B * T
-  assert upd.update == extra
-  assert upd.total == plain.total + extra
+  assert upd.linear == (4 * sum(nnz.values()) + 2 * size) * B * T
+  assert upd.attention == plain.attention and upd.head == plain.head == 6 * V * C * B * T
+  assert upd.update == upd.total - plain.total == 2 * (size - sum(nnz.values())) * B * T
+  head = {**nnz, "wte": V * C // 10}
+  sparse_head = flops.step_flops(model_cfg, shapes, head, batch_size=B, seq_len=T,
+                                 attention="causal", dense_weight_gradient=True)
+  assert sparse_head.head == (4 * (V * C // 10) + 2 * V * C) * B * T
 
 
 def test_planned_dense_run():
@@ -89,14 +95,17 @@ def test_planned_dense_run():
 
 
 def test_planned_mst_run_constant_sparsity():
-  """All levels at 75%: every update keeps the same ER counts; 10 updates in 40 steps; strided
-  attention during steps [10, 30)."""
+  """Every level at 75%: the random start prunes int(S_l N_l) per layer and every update keeps
+  the counts; updates at steps 4, 8, ..., 36 (9: never at 0) compute the dense weight
+  gradient; strided attention during steps [10, 30); the head is dense here."""
   s = 0.75
-  config = _config(initial_sparsity=s, target_sparsity=s, ultra_sparsity=s, final_sparsity=s,
+  config = _config(target_sparsity=s, ultra_sparsity=s, final_sparsity=s,
                    update_every=4, sparse_attention="strided", sparse_attention_start=0.25,
                    sparse_attention_end=0.75)
   model_cfg, shapes, masked = flops.model_shapes(config)
-  counts = mst.target_counts(masked, s)
+  sizes = {k: o * i for k, (o, i) in masked.items()}
+  er = mst.layer_sparsities({k: masked[k] for k in mst.reference_order(masked)}, s)
+  counts = {k: n - int(er[k] * n) for k, n in sizes.items()}
   B, T, L, C = config.batch_size, config.model.seq_len, 2, 32
   size = sum(o * i for o, i in shapes.values())
   k = sum(counts.values())
@@ -104,21 +113,39 @@ def test_planned_mst_run_constant_sparsity():
   tokens = B * T
   head = 6 * config.model.vocab_size * C * tokens
   causal, strided = (12 * L * C * B * _pairs_loop(p, T, 4) for p in ("causal", "strided"))
-  updates = 10
+  updates = 9
   want = (40 * (6 * k * tokens + head) + 20 * causal + 20 * strided
-          + updates * ((4 * k + 2 * size) * tokens + 4 * config.model.vocab_size * C * tokens)
-          + (5 * causal + 5 * strided))   # update passes: 0, 4, 8, 32, 36 causal; 12..28 strided
+          + updates * 2 * (size - k) * tokens)
   acct = flops.planned(config)
+  assert acct.nnz == counts
   assert acct.total.total == pytest.approx(want, rel=1e-12)
+  assert acct.total.update == pytest.approx(updates * 2 * (size - k) * tokens, rel=1e-12)
   dense = 40 * (6 * size * tokens + head + causal)
   assert acct.dense_total.total == pytest.approx(dense, rel=1e-12)
   half = flops.planned(config, upto=20)
   assert half.steps == 20 and half.total.total < acct.total.total
   summ = flops.summary(acct)
   assert summ["flops_reduction"] == pytest.approx(dense / want)
-  update_heads = updates * 4 * config.model.vocab_size * C * tokens
   assert summ["flops_reduction_no_head"] == pytest.approx(
-      (dense - 40 * head) / (want - 40 * head - update_heads))
+      (dense - 40 * head) / (want - 40 * head))
+
+
+def test_planned_mst_run_with_the_sparse_head():
+  """With 'wte' in the sparse layers the head costs 6 nnz_head per token (its ER density is
+  the lowest of all layers) and the reduction counts it."""
+  config = _config(update_every=4)
+  config.sparsity.sparse_layers = ("*/attn/*", "*/mlp/*", "wte")
+  model_cfg, shapes, masked = flops.model_shapes(config)
+  acct = flops.planned(config)
+  V, C, tokens = config.model.vocab_size, 32, config.batch_size * config.model.seq_len
+  assert masked["wte"] == (V, C) and "wte" in acct.nnz
+  assert acct.nnz["wte"] / (V * C) == min(n / (masked[k][0] * masked[k][1])
+                                          for k, n in acct.nnz.items())
+  assert acct.last.head == 6 * acct.nnz["wte"] * tokens
+  dense_head = flops.planned(_config(update_every=4))
+  assert flops.summary(acct)["flops_reduction"] > 3 * flops.summary(dense_head)[
+      "flops_reduction"]
+  del model_cfg
 
 
 def test_accountant_scalars():
