@@ -71,6 +71,12 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.dtype = "auto"          # bfloat16 on GPU/TPU, float32 on CPU
   c.model.attention = "causal"    # outside MST's sparse-attention window (attention_masks.py)
   c.model.attention_stride = 128  # l of the strided / local_strided patterns
+  # Memory (s24jax/model.py): attention kernel ('auto': cuDNN flash attention for causal
+  # attention on a GPU, XLA otherwise), per-block rematerialization ('none', 'full',
+  # 'save_dots'), chunked loss (tokens per chunk; 0: the plain (B, T, V) f32 logits).
+  c.model.attention_impl = "auto"
+  c.model.remat = "none"
+  c.model.loss_chunk = 0
 
   c.sparsity = ml_collections.ConfigDict()
   c.sparsity.projection = "dense"            # the method: methods.available_methods()

@@ -17,11 +17,18 @@ import ml_collections
 from s24jax import act_sparsity
 from s24jax import activations
 from s24jax import attention_masks
+from s24jax import losses
 from s24jax import methods
 from s24jax.act_sparsity import ActSparsityConfig
 from s24jax.sparse_linear import SparseEmbed, SparseLinear, SparsityConfig
 
 ACTIVATIONS = ("gelu", "relu", "relu2", "geglu", "swiglu")
+ATTENTION_IMPLS = ("auto", "xla", "cudnn")
+# Rematerialisation of each block's activations in the backward pass (jax.checkpoint):
+# 'save_dots' keeps the outputs of the weight matmuls and recomputes the rest (attention
+# softmax, activations, norms); 'full' keeps only the block input.
+REMAT_POLICIES = {"none": None, "full": None,
+                  "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +46,11 @@ class ModelConfig:
   # Attention patterns 'strided' / 'local_strided' with stride (and local window) l.
   attention: str = "causal"
   attention_stride: int = 128
+  # 'xla', 'cudnn' (fused flash attention: no (T, T) probabilities kept; GPU, causal only),
+  # 'auto' (cudnn for causal attention on a GPU backend, xla otherwise).
+  attention_impl: str = "auto"
+  remat: str = "none"         # per block: 'none', 'full' (recompute all), 'save_dots'
+  loss_chunk: int = 0         # tokens per chunk of the chunked loss; 0: plain (B, T, V) logits
   sparsity: SparsityConfig = SparsityConfig()
   act: ActSparsityConfig = ActSparsityConfig()
 
@@ -54,6 +66,16 @@ class ModelConfig:
       raise ValueError(f"V:N:M activation sparsity needs the FFN hidden dimension "
                        f"(model.mlp_ratio * model.d_model = {self.mlp_hidden}) to be a multiple "
                        f"of act_sparsity.m={self.act.m}")
+    if self.attention_impl not in ATTENTION_IMPLS:
+      raise ValueError(f"unknown model.attention_impl {self.attention_impl!r}; valid: "
+                       f"{', '.join(ATTENTION_IMPLS)}")
+    if self.attention_impl == "cudnn" and self.attention != "causal":
+      raise ValueError(f"model.attention_impl='cudnn' supports causal attention only; the "
+                       f"{self.attention!r} pattern needs 'xla' (or 'auto')")
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"unknown model.remat {self.remat!r}; valid: {', '.join(REMAT_POLICIES)}")
+    if self.loss_chunk < 0:
+      raise ValueError(f"model.loss_chunk must be >= 0 (0: plain loss), got {self.loss_chunk}")
     if self.d_model % self.num_heads:
       raise ValueError(f"model.d_model={self.d_model} is not divisible by "
                        f"model.num_heads={self.num_heads}")
@@ -99,6 +121,14 @@ def _residual_projection(cfg: ModelConfig, features: int, name: str, **kwargs) -
                       name=name, **kwargs)
 
 
+def attention_implementation(cfg: ModelConfig) -> str:
+  """'cudnn' or 'xla' for jax.nn.dot_product_attention. 'auto' asks the backend, which is
+  the CPU while compiling devicelessly for a GPU: the planner sets 'cudnn' explicitly."""
+  if cfg.attention_impl != "auto":
+    return cfg.attention_impl
+  return "cudnn" if cfg.attention == "causal" and jax.default_backend() == "gpu" else "xla"
+
+
 class CausalSelfAttention(nn.Module):
   config: ModelConfig
 
@@ -113,7 +143,8 @@ class CausalSelfAttention(nn.Module):
     q, k, v = jnp.split(qkv.reshape(B, T, 3, nh, hd), 3, axis=2)             # (B, T, 1, nh, hd)
     q, k, v = (a.squeeze(2) for a in (q, k, v))                               # (B, T, nh, hd)
     if cfg.attention == "causal":
-      y = jax.nn.dot_product_attention(q, k, v, is_causal=True)              # (B, T, nh, hd)
+      y = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                       implementation=attention_implementation(cfg))  # (B, T, nh, hd)
     else:   # Hybrid Sparse Attention (MST): the pattern already includes causality
       mask = attention_masks.attention_mask(cfg.attention, T, cfg.attention_stride)  # (T, T)
       y = jax.nn.dot_product_attention(q, k, v, mask=mask[None, None])       # (B, T, nh, hd)
@@ -160,11 +191,12 @@ class Block(nn.Module):
 
 
 class GPT2(nn.Module):
-  """Token ids (B, T) -> logits (B, T, vocab) in float32."""
+  """Token ids (B, T) -> logits (B, T, vocab) in float32; with targets (B, T): the summed
+  token cross-entropy instead (chunked if `loss_chunk`, without the whole logits)."""
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, tokens: jax.Array) -> jax.Array:
+  def __call__(self, tokens: jax.Array, targets: jax.Array | None = None) -> jax.Array:
     cfg = self.config
     dtype = compute_dtype(cfg.dtype)
     B, T = tokens.shape
@@ -176,11 +208,17 @@ class GPT2(nn.Module):
                       embedding_init=nn.initializers.normal(0.02), dtype=dtype, name="wte")
     wpe = self.param("wpe", nn.initializers.normal(0.01), (cfg.seq_len, cfg.d_model))
     x = (wte(tokens) + wpe[:T]).astype(dtype)                                 # (B, T, C)
+    block = Block if cfg.remat == "none" else nn.remat(Block, policy=REMAT_POLICIES[cfg.remat])
     for i in range(cfg.num_layers):
-      x = Block(cfg, name=f"h_{i}")(x)
+      x = block(cfg, name=f"h_{i}")(x)
     x = nn.LayerNorm(dtype=dtype, name="ln_f")(x)
-    logits = wte.attend(x.astype(dtype))                                      # (B, T, V)
-    return logits.astype(jnp.float32)
+    if targets is not None and cfg.loss_chunk:
+      return losses.chunked_cross_entropy_sum(x.astype(dtype), targets, wte.head(),
+                                              cfg.loss_chunk)
+    logits = wte.attend(x.astype(dtype)).astype(jnp.float32)                  # (B, T, V)
+    if targets is not None:
+      return losses.cross_entropy_sum(logits, targets)
+    return logits
 
 
 def num_params(params) -> int:

@@ -165,10 +165,26 @@ class SparseEmbed(nn.Embed):
     return jnp.take(table, inputs, axis=0)                               # (..., C)
 
   def attend(self, query: jax.Array) -> jax.Array:
+    return self.head()(query)
+
+  def head(self) -> Callable[..., jax.Array]:
+    """The head as a pure function of arrays, (x (..., C), chunk=None) -> logits (..., vocab),
+    so a chunked loss can call it inside lax.scan / jax.checkpoint (no module calls there).
+    The sparse head's randomness (MVUE) is folded with the chunk index."""
     if not self._is_sparse():
-      return super().attend(query)
+      embedding, dtype = self.embedding, self.dtype
+
+      def dense_head(x, chunk=None):
+        del chunk
+        x, table = self.promote_dtype(x, embedding, dtype=dtype)
+        return jnp.dot(x, table.T)                                       # (..., vocab)
+      return dense_head
     sp = self.sparsity
-    dtype = self.dtype or query.dtype
+    table = self._table()
     key = self.make_rng("sparsity") if sp.mvue and self.has_rng("sparsity") else None
-    return linear(query.astype(dtype), self._table(), backend=sp.backend, sparse=True,
-                  key=key, mvue=sp.mvue, fp8=sp.fp8)                     # (..., vocab)
+
+    def sparse_head(x, chunk=None):
+      k = key if key is None or chunk is None else jax.random.fold_in(key, chunk)
+      return linear(x.astype(self.dtype or x.dtype), table, backend=sp.backend, sparse=True,
+                    key=k, mvue=sp.mvue, fp8=sp.fp8)                     # (..., vocab)
+    return sparse_head

@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from s24jax import losses
 from s24jax import sharding
 from s24jax.model import GPT2
 from s24jax.state import TrainState
@@ -52,9 +51,8 @@ def loss_and_grads(params: Any, sparsity: Any, batch: Batch, key: jax.Array, *, 
 
   def grads_of(b, k):
     def loss_fn(p):
-      logits = model.apply(_variables(p, sparsity), b["inputs"],
-                           rngs={"sparsity": k})                               # (b, T, V)
-      loss_sum = losses.cross_entropy_sum(logits, b["targets"])
+      loss_sum = model.apply(_variables(p, sparsity), b["inputs"], b["targets"],
+                             rngs={"sparsity": k})
       return loss_sum / tokens, loss_sum
     (_, loss_sum), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     return loss_sum, grads
@@ -103,8 +101,7 @@ def train_step(state: TrainState, batch: Batch, *, model: GPT2,
 
 @functools.partial(jax.jit, static_argnames=("model",))
 def eval_step(params: Any, sparsity: Any, batch: Batch, *, model: GPT2) -> dict[str, jax.Array]:
-  logits = model.apply(_variables(params, sparsity), batch["inputs"])
-  return {"loss": losses.cross_entropy_sum(logits, batch["targets"]),
+  return {"loss": model.apply(_variables(params, sparsity), batch["inputs"], batch["targets"]),
           "count": jnp.asarray(batch["targets"].size, jnp.float32)}
 
 

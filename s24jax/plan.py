@@ -1,0 +1,290 @@
+"""Plan a run before renting the GPUs: compile the configured train step for a described GPU.
+
+    python -m s24jax.plan --config experiments/gpt2_s_ste.py:1558m --gpu h100 --devices 8 \\
+        [--json out.json] [--set model.remat=full ...] [--micro 8] [--no-search]
+
+No GPU is needed: XLA's own GPU compiler (the optional CUDA plugin of requirements-gpu-aot.txt)
+compiles the real `train.train_step`, sharded over `--devices` compile-only GPUs of the
+`config.mesh` shape, on abstract inputs (s24jax/aot.py). The report:
+
+  - per-device memory from XLA's buffer assignment: arguments (the state and the batch),
+    outputs, aliased (donated) bytes, temporaries, total; whether the total fits the GPU
+    with `--headroom` (default 10%: CUDA context, library workspaces, NCCL buffers and
+    allocator fragmentation are not in XLA's figure);
+  - whether XLA's own rematerialization had to recompute to fit: the step is compiled a
+    second time for a copy of the GPU with 16x its memory; if the totals differ, XLA
+    rematerialized to squeeze under the real limit (`xla_rematerialized`), so the real
+    memory need is the larger figure and the step would run slower than planned;
+  - the micro-batch (sequences per device per micro-batch), the accumulation steps and the
+    global batch in tokens; FLOPs per optimizer step from the unoptimized HLO;
+  - the largest micro-batch per device that fits (compiled against the 16x copy, so XLA's
+    rematerialization cannot hide the need) and the accumulation that keeps the global batch.
+
+It is also a compile-only check: a config that does not compile for the GPU fails here with
+XLA's error. Exit code: 0 if it fits, 1 if it compiles but does not fit, 2 on errors.
+Compile-time facts and limits: s24jax/aot.py; the measured table is in the README.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import re
+import sys
+import time
+from typing import Any
+
+from s24jax import aot
+
+HEADROOM = 0.10          # share of the GPU's memory kept free for what XLA does not count
+BIG_MEMORY_FACTOR = 16   # the copy of the GPU used to see the memory need without XLA remat
+
+
+@dataclasses.dataclass
+class Compiled:
+  micro: int              # sequences per device per micro-batch
+  accum: int
+  memory: dict[str, int]
+  seconds: float
+  flops: float | None = None
+
+
+def _target_with_memory(gpu: str, factor: int) -> str:
+  """The GPU's target config with device_memory_size multiplied by `factor`."""
+  text = aot.target(gpu).config_text()
+  size = int(re.search(r"device_memory_size:\s*(\d+)", text).group(1))
+  return re.sub(r"device_memory_size:\s*\d+", f"device_memory_size: {size * factor}", text)
+
+
+def device_memory(gpu: str) -> int:
+  return int(re.search(r"device_memory_size:\s*(\d+)", aot.target(gpu).config_text()).group(1))
+
+
+def gpu_config(config, gpu: str):
+  """The run config as it would run on the GPU: bfloat16 compute, cuDNN attention where the
+  pattern allows (jax.default_backend() is the CPU while compiling here, so 'auto' cannot
+  be left to decide)."""
+  config = config.copy_and_resolve_references()
+  if config.model.dtype == "auto":
+    config.model.dtype = "bfloat16"
+  if config.model.attention_impl == "auto":
+    sparse_window = getattr(config.sparsity.get("mst", {}), "sparse_attention", "causal")
+    uses_masks = config.model.attention != "causal" or (
+        config.sparsity.projection == "mst" and sparse_window != "causal")
+    config.model.attention_impl = "xla" if uses_masks else "cudnn"
+  del gpu
+  return config
+
+
+class Planner:
+  """Compiles one config's train step for a GPU at any micro-batch (cached per micro-batch
+  and memory size)."""
+
+  def __init__(self, config, gpu: str, num_devices: int):
+    import jax   # pylint: disable=g-import-not-at-top
+    from jax.experimental import topologies   # pylint: disable=g-import-not-at-top
+    from s24jax import loop, model as model_lib, sharding, train   # pylint: disable=g-import-not-at-top
+    self.jax, self.train, self.sharding = jax, train, sharding
+    self.config = gpu_config(config, gpu)
+    self.gpu, self.num_devices = gpu, num_devices
+    self.method, self.model_cfg, self.tx_fn = loop.build(self.config)
+    self.model = model_lib.GPT2(self.model_cfg)
+    self._topologies = {
+        factor: topologies.get_topology_desc(
+            platform="cuda", target_config=_target_with_memory(gpu, factor),
+            topology=f"1x1x{num_devices}")
+        for factor in (1, BIG_MEMORY_FACTOR)}
+    self._cache: dict[tuple[int, int], Compiled] = {}
+    mesh = sharding.make_mesh(self.config.mesh, self._topologies[1].devices)
+    self.data_parallel = mesh.size   # the batch splits over every device (data x fsdp)
+
+  @property
+  def global_batch(self) -> int:
+    return int(self.config.batch_size)
+
+  @property
+  def configured_micro(self) -> int:
+    return self.global_batch // int(self.config.grad_accum_steps) // self.data_parallel
+
+  def accum_for(self, micro: int) -> int:
+    return self.global_batch // (micro * self.data_parallel)
+
+  def compile(self, micro: int, factor: int = 1, with_flops: bool = False) -> Compiled:
+    """The train step at `micro` sequences per device per micro-batch."""
+    key = (micro, factor)
+    if key in self._cache and (self._cache[key].flops is not None or not with_flops):
+      return self._cache[key]
+    jax, sharding = self.jax, self.sharding
+    accum = self.accum_for(micro)
+    partitioner = sharding.Partitioner(
+        sharding.make_mesh(self.config.mesh, self._topologies[factor].devices))
+    init = lambda: self.train.init_state(self.model, self.tx_fn, 0)   # pylint: disable=unnecessary-lambda-assignment
+    abstract_state = jax.eval_shape(init)
+    shardings = partitioner.state_shardings(abstract_state)
+    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                         abstract_state, shardings)
+    tokens = jax.ShapeDtypeStruct((self.global_batch, self.config.model.seq_len), jax.numpy.int32,
+                                  sharding=partitioner.batch)
+    batch = {"inputs": tokens, "targets": tokens}
+    start = time.time()
+    with jax.default_device(self._topologies[factor].devices[0]):
+      lowered = self.train.train_step.trace(
+          state, batch, model=self.model, tx=self.tx_fn(abstract_state.params,
+                                                        abstract_state.sparsity),
+          accum_steps=accum, partitioner=partitioner).lower(lowering_platforms=("cuda",))
+      compiled = lowered.compile()
+    result = Compiled(micro, accum, aot.memory_report(compiled), time.time() - start,
+                      aot.flops(lowered) if with_flops else None)
+    self._cache[key] = result
+    return result
+
+  def micro_candidates(self) -> list[int]:
+    """Micro-batches per device that split the global batch evenly, smallest first."""
+    per_device = self.global_batch // self.data_parallel
+    return [m for m in range(1, per_device + 1) if per_device % m == 0
+            and (m & (m - 1) == 0 or m == per_device)]
+
+  def largest_fitting_micro(self, budget: int) -> int | None:
+    """Binary search over the candidates, compiled against the big-memory copy (the true
+    need, no XLA remat): memory grows with the micro-batch."""
+    cands = self.micro_candidates()
+    lo, hi, best = 0, len(cands) - 1, None
+    while lo <= hi:
+      mid = (lo + hi) // 2
+      if self.compile(cands[mid], BIG_MEMORY_FACTOR).memory["total_bytes"] <= budget:
+        best, lo = cands[mid], mid + 1
+      else:
+        hi = mid - 1
+    return best
+
+
+def plan(config, gpu: str, num_devices: int, *, micro: int | None = None,
+         search: bool = True, headroom: float = HEADROOM) -> dict[str, Any]:
+  """The planner's report (see the module docstring) as a dict."""
+  planner = Planner(config, gpu, num_devices)
+  if micro is not None:
+    planner.config.grad_accum_steps = planner.accum_for(micro)
+  micro = planner.configured_micro
+  if micro < 1 or planner.global_batch % (micro * planner.data_parallel):
+    raise ValueError(f"batch_size={planner.global_batch} with grad_accum_steps="
+                     f"{planner.config.grad_accum_steps} does not split over "
+                     f"{planner.data_parallel} devices")
+  capacity = device_memory(gpu)
+  budget = int(capacity * (1 - headroom))
+  real = planner.compile(micro, 1, with_flops=True)
+  big = planner.compile(micro, BIG_MEMORY_FACTOR)
+  rematerialized = big.memory["total_bytes"] != real.memory["total_bytes"]
+  need = max(big.memory["total_bytes"], real.memory["total_bytes"])
+  report = {
+      "config": planner.method.name, "gpu": gpu, "devices": num_devices,
+      "mesh": {"data": planner.data_parallel // _fsdp(planner), "fsdp": _fsdp(planner)},
+      "model": planner.model_cfg.describe(),
+      "params": _num_params(planner),
+      "micro_batch": micro, "grad_accum_steps": real.accum,
+      "global_batch_sequences": planner.global_batch,
+      "global_batch_tokens": planner.global_batch * planner.config.model.seq_len,
+      "device_memory_bytes": capacity, "budget_bytes": budget,
+      **{k: v for k, v in real.memory.items()},
+      "total_bytes_per_device": real.memory["total_bytes"],
+      "total_bytes_without_xla_remat": big.memory["total_bytes"],
+      "xla_rematerialized": rematerialized,
+      "fits": need <= budget,
+      "flops_per_step": real.flops,
+      "compile_seconds": real.seconds,
+      "remat": planner.config.model.remat, "loss_chunk": planner.config.model.loss_chunk,
+      "attention_impl": planner.config.model.attention_impl,
+  }
+  if search:
+    best = planner.largest_fitting_micro(budget)
+    report["largest_fitting_micro_batch"] = best
+    report["grad_accum_steps_at_largest"] = planner.accum_for(best) if best else None
+  return report
+
+
+def _fsdp(planner) -> int:
+  return planner.sharding.make_mesh(planner.config.mesh,
+                                    planner._topologies[1].devices).shape["fsdp"]  # pylint: disable=protected-access
+
+
+def _num_params(planner) -> int:
+  jax = planner.jax
+  shapes = jax.eval_shape(lambda: planner.train.init_state(planner.model, planner.tx_fn, 0))
+  return int(sum(math.prod(x.shape) for x in jax.tree.leaves(shapes.params)))
+
+
+def _gib(n) -> str:
+  return f"{n / 2**30:.2f} GiB"
+
+
+def format_report(r: dict[str, Any]) -> str:
+  lines = [
+      f"{r['model']} ({r['params'] / 1e6:.0f}M params) on {r['devices']} x {r['gpu']} "
+      f"(mesh data={r['mesh']['data']} x fsdp={r['mesh']['fsdp']})",
+      f"  global batch {r['global_batch_sequences']} sequences = "
+      f"{r['global_batch_tokens']:,} tokens: micro-batch {r['micro_batch']} per device x "
+      f"{r['grad_accum_steps']} accumulation steps",
+      f"  remat={r['remat']} loss_chunk={r['loss_chunk']} attention={r['attention_impl']}",
+      f"  per device: arguments {_gib(r['argument_size_in_bytes'])}, outputs "
+      f"{_gib(r['output_size_in_bytes'])}, aliased {_gib(r['alias_size_in_bytes'])}, "
+      f"temporaries {_gib(r['temp_size_in_bytes'])}",
+      f"  total {_gib(r['total_bytes_per_device'])} of {_gib(r['device_memory_bytes'])} "
+      f"(budget {_gib(r['budget_bytes'])} with headroom): "
+      f"{'FITS' if r['fits'] else 'DOES NOT FIT'}",
+      f"  XLA rematerialized to fit: {'YES (' + _gib(r['total_bytes_without_xla_remat']) + ' without)' if r['xla_rematerialized'] else 'no'}",
+      f"  FLOPs per optimizer step: {r['flops_per_step']:.4g}  (compiled in "
+      f"{r['compile_seconds']:.0f} s)",
+  ]
+  if "largest_fitting_micro_batch" in r:
+    best = r["largest_fitting_micro_batch"]
+    lines.append(f"  largest micro-batch that fits: {best} per device"
+                 + (f" (grad_accum_steps={r['grad_accum_steps_at_largest']})" if best else
+                    " (none: shard more, e.g. --set mesh.fsdp=-1, or rematerialize)"))
+  return "\n".join(lines)
+
+
+def _parse(item: str) -> tuple[str, Any]:
+  """'model.remat=full' -> ('model.remat', 'full'); numbers and booleans typed."""
+  key, _, value = item.partition("=")
+  if value in ("True", "False", "true", "false"):
+    return key, value.lower() == "true"
+  for cast in (int, float):
+    try:
+      return key, cast(value)
+    except ValueError:
+      pass
+  return key, value
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(prog="python -m s24jax.plan", description=__doc__.split("\n")[0])
+  p.add_argument("--config", required=True, help="experiments/X.py[:variant]")
+  p.add_argument("--gpu", default="h100", help="a100, h100 or b200")
+  p.add_argument("--devices", type=int, default=1)
+  p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                 help="config override, e.g. model.remat=full (repeatable)")
+  p.add_argument("--micro", type=int, default=None,
+                 help="sequences per device per micro-batch (default: the config's)")
+  p.add_argument("--no-search", action="store_true", help="skip the micro-batch search")
+  p.add_argument("--headroom", type=float, default=HEADROOM)
+  p.add_argument("--json", default="", help="write the report here")
+  args = p.parse_args(argv)
+  try:
+    aot.start()
+  except aot.PluginMissing as e:
+    print(f"s24jax.plan: {e}", file=sys.stderr)
+    return 2
+  from s24jax import compare   # pylint: disable=g-import-not-at-top  (after aot.start)
+  config = compare.load_config(args.config, dict(_parse(s) for s in args.set))
+  report = plan(config, args.gpu, args.devices, micro=args.micro, search=not args.no_search,
+                headroom=args.headroom)
+  report["command"] = " ".join(["python -m s24jax.plan"] + (argv or sys.argv[1:]))
+  print(format_report(report))
+  if args.json:
+    with open(args.json, "w", encoding="utf-8") as f:
+      json.dump(report, f, indent=2)
+  return 0 if report["fits"] else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())
