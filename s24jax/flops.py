@@ -31,6 +31,7 @@ from its schedule alone, so the plan equals what the loop logs).
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
 import sys
 from typing import Any, Mapping
@@ -217,16 +218,15 @@ def _main(argv) -> None:
 
 
 def _parse_overrides(items) -> dict[str, Any]:
-  """'a.b=3' -> {'a.b': 3} (ints, floats, else strings)."""
+  """'a.b=3' -> {'a.b': 3}: Python literals (ints, floats, tuples such as
+  "sparsity.sparse_layers=('*/attn/*','*/mlp/*')", booleans), else strings."""
   out = {}
   for kv in items:
     k, _, v = kv.partition("=")
-    for cast in (int, float):
-      try:
-        v = cast(v)
-        break
-      except ValueError:
-        continue
+    try:
+      v = ast.literal_eval(v)
+    except (ValueError, SyntaxError):
+      pass
     out[k] = v
   return out
 
