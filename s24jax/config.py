@@ -89,6 +89,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.sparsity.mvue = False
   c.sparsity.fp8 = False                     # FP8 GEMMs in the sparse layers (s24jax/fp8.py)
   c.sparsity.dense_finetune_fraction = 0.0   # the last fraction of steps trains dense
+  # Dense fine-tuning starts from the 'latent' W (the reference code: pruned weights come
+  # back) or the 'projected' W~ (the sparse network itself: no loss jump at the switch).
+  c.sparsity.dense_finetune_init = "latent"
   # Warning (log + train/flip_rate_warning) when the global flip rate stays above this for
   # `flip_rate_warn_patience` consecutive logs; 0 turns it off (s24jax/flip_monitor.py).
   c.sparsity.flip_rate_warn = 0.05

@@ -24,6 +24,7 @@ from s24jax import checkpoint as ckpt_lib
 from s24jax import data as data_lib
 from s24jax import flops as flops_lib
 from s24jax import hooks as hooks_lib
+from s24jax import measure
 from s24jax import methods
 from s24jax import metrics as metrics_lib
 from s24jax import model as model_lib
@@ -267,7 +268,7 @@ def standard_hooks(run: Run) -> list[hooks_lib.Hook]:
   Hook = hooks_lib.Hook   # pylint: disable=invalid-name
   return [
       Hook(count_flops, every=1, before_step=True, training=True, name="FLOPs"),
-      *model_lib.stats_hooks(config),
+      *measure.hooks(config),
       Hook(log, every=config.log_every, training=True, name="log"),
       *run.method.hooks(config),
       Hook(evaluate_, every=config.eval_every, name="eval"),

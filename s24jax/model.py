@@ -99,7 +99,8 @@ def model_config(config: ml_collections.ConfigDict,
   sp = config.sparsity
   sparsity = SparsityConfig(method=method or methods.from_config(config),
                             sparse_layers=tuple(sp.sparse_layers), backend=sp.backend,
-                            mvue=sp.mvue, fp8=sp.fp8)
+                            mvue=sp.mvue, fp8=sp.fp8,
+                            dense_finetune_init=sp.dense_finetune_init)
   act = {k: v for k, v in config.act_sparsity.items() if k != "stats_sequences"}
   return ModelConfig(**{k: (tuple(v) if isinstance(v, list) else v)
                         for k, v in config.model.items()},
@@ -223,8 +224,3 @@ class GPT2(nn.Module):
 
 def num_params(params) -> int:
   return sum(p.size for p in jax.tree.leaves(params))
-
-
-def stats_hooks(config) -> list:
-  """The loop's measurement hooks for this model (activation statistics, act_sparsity.py)."""
-  return act_sparsity.stats_hooks(config)

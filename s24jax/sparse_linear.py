@@ -25,6 +25,7 @@ from s24jax import methods
 from s24jax import sparse_ops
 
 BACKENDS = sparse_ops.BACKENDS
+DENSE_FINETUNE_INITS = ("latent", "projected")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,8 +41,13 @@ class SparsityConfig:
   backend: str = "xla"      # the GEMMs: 'xla' (reference), 'pallas', 'pallas_always'
   mvue: bool = False        # weight gradient from the MVUE 2:4 estimate of dY^T
   fp8: bool = False         # FP8 GEMMs (s24jax/fp8.py)
+  # How dense fine-tuning starts (methods.base.Method.enter): 'latent' W or 'projected' W~.
+  dense_finetune_init: str = "latent"
 
   def __post_init__(self):
+    if self.dense_finetune_init not in DENSE_FINETUNE_INITS:
+      raise ValueError(f"unknown sparsity.dense_finetune_init {self.dense_finetune_init!r}; "
+                       f"valid: {', '.join(DENSE_FINETUNE_INITS)}")
     if self.backend not in BACKENDS:
       raise ValueError(f"unknown sparsity.backend {self.backend!r}; valid: "
                        f"{', '.join(BACKENDS)}")

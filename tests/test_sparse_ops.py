@@ -164,21 +164,27 @@ def test_t_sr_ste_mask_refreshed_exactly_every_k_steps_and_cached_between():
   kernels = lambda s: {p: np.asarray(state_lib.get_path(s.params, p)["kernel"]) for p in paths}
   cached = lambda s: {p: np.asarray(state_lib.get_path(s.sparsity, p)["mask"]) for p in paths}
   tmask = jax.jit(masks.transposable_mask)
+  nm = jax.jit(masks.nm_mask)
   source = kernels(state)                        # the weights the cached mask was made from
   rng = np.random.default_rng(0)
   stale_seen = False
   for step in range(1, 2 * k + 2):
-    prev = cached(state)
+    prev, before = cached(state), kernels(state)
     state, metrics = train.train_step(state, _batch(rng), model=model, tx=tx)
     now = kernels(state)
+    # Every step: the paper's r_t, of the plain 2:4 mask of the latent W (NumPy count).
+    flips = sum(int((np.asarray(nm(now[p])) != np.asarray(nm(before[p]))).sum()) for p in paths)
+    total = sum(now[p].size for p in paths)
+    np.testing.assert_allclose(float(metrics["flip_rate"]), flips / total, rtol=1e-6)
+    assert float(metrics["mask_refresh/refreshed"]) == float(step % k == 0)
     if step % k == 0:
       source = now
       changed = sum(int((cached(state)[p] != prev[p]).sum()) for p in paths)
-      total = sum(prev[p].size for p in paths)
-      np.testing.assert_allclose(float(metrics["flip_rate"]), changed / total / k, rtol=1e-6)
+      np.testing.assert_allclose(float(metrics["mask_refresh/changed"]), changed / total,
+                                 rtol=1e-6)
       assert 0.5 < float(metrics["transposable_kept_ratio"]) <= 1.0
     else:
-      assert np.isnan(float(metrics["flip_rate"]))
+      assert np.isnan(float(metrics["mask_refresh/changed"]))
       assert np.isnan(float(metrics["transposable_kept_ratio"]))
     for p in paths:
       want = np.asarray(tmask(source[p]))
@@ -192,6 +198,38 @@ def test_t_sr_ste_mask_refreshed_exactly_every_k_steps_and_cached_between():
     layer = state_lib.get_path(state.sparsity, p)
     wt = proj.project(jnp.asarray(kernels(state)[p]), layer)
     np.testing.assert_array_equal(np.asarray(wt), np.where(layer["mask"], kernels(state)[p], 0))
+
+
+def test_t_sr_ste_drift_refresh_follows_the_weights():
+  """With mask_refresh_drift the cache is refreshed as soon as the plain 2:4 mask of W has
+  drifted more than the threshold from the one at the last refresh (a NumPy count), and at
+  the latest every mask_refresh_every steps."""
+  tau = 0.01
+  config = _tiny("t_sr_ste", sparsity__t_sr_ste__mask_refresh_every=1000,
+                 sparsity__t_sr_ste__mask_refresh_drift=tau, optim__lr=3e-2)
+  model, tx, state = _fresh(config)
+  paths = state_lib.sparse_layer_paths(state.sparsity)
+  kernels = lambda s: {p: np.asarray(state_lib.get_path(s.params, p)["kernel"]) for p in paths}
+  nm = jax.jit(masks.nm_mask)
+  tmask = jax.jit(masks.transposable_mask)
+  at_refresh = {p: np.asarray(nm(w)) for p, w in kernels(state).items()}
+  rng = np.random.default_rng(1)
+  refreshes = 0
+  for step in range(1, 9):
+    state, metrics = train.train_step(state, _batch(rng), model=model, tx=tx)
+    plain = {p: np.asarray(nm(w)) for p, w in kernels(state).items()}
+    drift = (sum(int((plain[p] != at_refresh[p]).sum()) for p in paths)
+             / sum(m.size for m in plain.values()))
+    np.testing.assert_allclose(float(metrics["mask_refresh/drift"]), drift, rtol=1e-6)
+    refreshed = drift > tau
+    assert float(metrics["mask_refresh/refreshed"]) == float(refreshed), step
+    if refreshed:
+      refreshes += 1
+      at_refresh = plain
+      for p in paths:
+        np.testing.assert_array_equal(np.asarray(state_lib.get_path(state.sparsity, p)["mask"]),
+                                      np.asarray(tmask(kernels(state)[p])))
+  assert 0 < refreshes < 8   # it refreshed when the weights moved, not every step
 
 
 def test_masked_decay_uses_the_mask_the_forward_used():

@@ -1,4 +1,5 @@
 """The training loop end to end on a tiny model: learning, resume, phases, errors."""
+import dataclasses
 import hashlib
 import json
 import os
@@ -99,10 +100,16 @@ def test_dense_finetuning_switches_phase_and_starts_from_projected_weights(tmp_p
   assert flips == {1, 2}                                   # no mask in the dense phase
 
 
-def test_entering_dense_finetuning_projects_the_sparse_kernels():
+def test_entering_dense_finetuning_projected_or_latent():
   method, model_cfg, tx_fn = loop.build(tiny_config("s_ste"))
   st = train.init_state(model_lib.GPT2(model_cfg), tx_fn, 0)
-  projected = method.enter(st, model_cfg.dense_twin()).params
+  # 'latent' (the default, the reference code's): the dense phase continues from W itself.
+  assert model_cfg.dense_twin().sparsity.dense_finetune_init == "latent"
+  assert method.enter(st, model_cfg.dense_twin()) is st
+  dense = model_cfg.dense_twin()
+  dense = dataclasses.replace(dense, sparsity=dataclasses.replace(
+      dense.sparsity, dense_finetune_init="projected"))
+  projected = method.enter(st, dense).params
   for path in state_lib.sparse_layer_paths(st.sparsity):
     kernel = state_lib.get_path(st.params, path)["kernel"]
     layer = state_lib.get_path(st.sparsity, path)

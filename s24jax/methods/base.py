@@ -123,19 +123,19 @@ class Method:
                    ) -> tuple[Any, Any, dict[str, jax.Array]]:
     """Stores each layer's new mask; metrics: the flip rate against the stored one and the
     scalar layer state. `step` is the optimizer step just taken (0-based)."""
-    new, metrics = self.next_masks(params, sparsity, step)
+    sparsity, metrics = self.update_masks(params, sparsity, step)
     sparsity = self.update_layers(params, sparsity, step + 1)
     metrics.update(layer_scalars(sparsity))
-    return params, state_lib.with_masks(sparsity, new), metrics
+    return params, sparsity, metrics
 
-  def next_masks(self, params: Any, sparsity: Any, step: jax.Array
-                 ) -> tuple[dict[tuple[str, ...], jax.Array], dict[str, jax.Array]]:
-    """The masks the next forward passes use, and the flip-rate metrics against the stored
-    ones: here mask(W) of the updated weights, every step."""
+  def update_masks(self, params: Any, sparsity: Any, step: jax.Array
+                   ) -> tuple[Any, dict[str, jax.Array]]:
+    """Stores the masks the next forward passes use and returns the flip-rate metrics
+    against the stored ones: here mask(W) of the updated weights, every step."""
     del step
     paths = state_lib.sparse_layer_paths(sparsity)
     new = {p: self.mask(kernel_at(params, p), layer_at(sparsity, p)) for p in paths}
-    return new, flip_rates(new, sparsity)
+    return state_lib.with_masks(sparsity, new), flip_rates(new, sparsity)
 
   def update_layers(self, params: Any, sparsity: Any, steps_done: jax.Array) -> Any:
     """Per-layer state after `steps_done` optimizer steps (S-STE's rescale); masks aside."""
@@ -162,9 +162,12 @@ class Method:
     return model_cfg
 
   def enter(self, state, new_cfg):
-    """Leaving this method's model for `new_cfg`'s: entering dense fine-tuning replaces each
-    sparse latent W by the weight the forward pass used, so the loss is continuous."""
-    if new_cfg.sparsity.method.sparse or not self.sparse:
+    """Leaving this method's model for `new_cfg`'s. Entering dense fine-tuning continues from
+    the latent W (`sparsity.dense_finetune_init='latent'`, the reference's way: pruned
+    weights come back) or replaces each sparse latent W by the weight the forward pass used,
+    W~ ('projected': the loss is continuous at the switch)."""
+    if (new_cfg.sparsity.method.sparse or not self.sparse
+        or new_cfg.sparsity.dense_finetune_init == "latent"):
       return state
     params = flax.core.unfreeze(jax.tree.map(lambda x: x, state.params))
     for path in state_lib.sparse_layer_paths(state.sparsity):
@@ -220,16 +223,17 @@ def layer_at(sparsity: Any, path: tuple[str, ...]) -> Layer:
   return dict(state_lib.get_path(sparsity, path))
 
 
-def flip_rates(new: dict[tuple[str, ...], jax.Array], sparsity: Any) -> dict[str, jax.Array]:
-  """Per-layer flip rate (masks.flip_rate of the new mask against the stored one) and the
-  global rate over all sparse layers (size-weighted): 'flip_rate/<layer>', 'flip_rate'."""
+def flip_rates(new: dict[tuple[str, ...], jax.Array], sparsity: Any, *, entry: str = "mask",
+               name: str = "flip_rate") -> dict[str, jax.Array]:
+  """Per-layer flip rate (masks.flip_rate of the new mask against the stored `entry`) and the
+  global rate over all sparse layers (size-weighted): '<name>/<layer>', '<name>'."""
   out, changed, total = {}, 0.0, 0
   for path, m in new.items():
-    rate = masks.flip_rate(m, layer_at(sparsity, path)["mask"])
-    out[f"flip_rate/{state_lib.layer_name(path)}"] = rate
+    rate = masks.flip_rate(m, layer_at(sparsity, path)[entry])
+    out[f"{name}/{state_lib.layer_name(path)}"] = rate
     changed, total = changed + rate * m.size, total + m.size
   if total:
-    out["flip_rate"] = changed / total
+    out[name] = changed / total
   return out
 
 

@@ -5,7 +5,9 @@ straight-through with masked decay (docs/algorithms.md, "Transposable 2:4 mask" 
 
 The forward uses the cached mask layer['mask']; it is recomputed from W (transposable, so W~
 is 2:4 along `out` too and the data-gradient GEMM dX = dY W~ is 2:4) only after every
-`mask_refresh_every`-th optimizer step. Everything else (masked decay, the lambda_W
+`mask_refresh_every`-th optimizer step, or (`mask_refresh_drift` > 0) as soon as the weights
+moved enough. The flip rate is the paper's per-step rate of the plain 2:4 mask of the latent
+W (layer['plain_mask'] keeps the previous one). Everything else (masked decay, the lambda_W
 controller, the flip-rate warning) is SR-STE's (methods/sr_ste.py).
 """
 from __future__ import annotations
@@ -45,10 +47,25 @@ masked_ste24.defvjp(_masked_ste24_fwd, _masked_ste24_bwd)
 class TSRSTE(sr_ste.SRSTE):
   # Optimizer steps between refreshes of the cached transposable mask (Hu et al.: 40).
   mask_refresh_every: int = 40
+  # 0: refresh exactly every mask_refresh_every steps (the paper). > 0: also refresh after
+  # any step at which the plain 2:4 mask of W differs from the one at the last refresh in
+  # more than this fraction of entries: the cache follows the weights, however fast the
+  # learning rate moves them (docs/algorithms.md, "Hu et al. 2024").
+  mask_refresh_drift: float = 0.0
 
   def __post_init__(self):
     super().__post_init__()
     base.check_positive_int(f"sparsity.{self.name}.mask_refresh_every", self.mask_refresh_every)
+    if not 0.0 <= self.mask_refresh_drift < 1.0:
+      raise ValueError(f"sparsity.{self.name}.mask_refresh_drift must be in [0, 1), got "
+                       f"{self.mask_refresh_drift}")
+
+  def init_layer(self, kernel):
+    plain = masks.nm_mask(kernel)
+    layer = {"mask": self.mask(kernel, {}), "plain_mask": plain}
+    if self.mask_refresh_drift:
+      layer["refresh_mask"] = jnp.array(plain, copy=True)   # its own buffer (donation)
+    return layer
 
   def mask(self, kernel, layer):
     del layer
@@ -57,30 +74,46 @@ class TSRSTE(sr_ste.SRSTE):
   def project(self, kernel, layer):
     return masked_ste24(kernel, layer["mask"], self.backward_decay())
 
-  def next_masks(self, params, sparsity, step):
-    """Fresh transposable masks after every k-th step (k = mask_refresh_every), else the
-    cached ones. The flip rate is reported at refreshes as changed / k (the mean per-step
-    rate over the interval) and NaN in between (no measurement); `transposable_kept_ratio`
-    is the mean over layers of masks.transposable_kept_ratio at refreshes. Under jit only
-    the taken branch runs: no mask work between refreshes."""
-    k = self.mask_refresh_every
-    refresh = (step + 1) % k == 0
+  def update_masks(self, params, sparsity, step):
+    """Every step: the plain 2:4 mask of the updated W, its flip rate against the previous
+    step's (`flip_rate`, the paper's r_t; what the lambda_W controller steers on). At a
+    refresh (after every k-th step, k = mask_refresh_every, or when the plain mask drifted
+    more than mask_refresh_drift since the last refresh): fresh transposable masks for the
+    forward, `mask_refresh/changed` (the fraction of the cached mask that changed: the
+    refresh-interval change) and `transposable_kept_ratio` (mean over layers); NaN between
+    refreshes. `mask_refresh/refreshed` is 1 at a refresh (its log mean: the refresh rate).
+    Under jit only the taken branch runs: no transposable-mask work between refreshes."""
     paths = state_lib.sparse_layer_paths(sparsity)
+    kernels = {p: base.kernel_at(params, p) for p in paths}
+    plain = {p: masks.nm_mask(w) for p, w in kernels.items()}
+    metrics = base.flip_rates(plain, sparsity, entry="plain_mask")
+    sparsity = state_lib.with_layer_entry(sparsity, "plain_mask", plain)
+    refresh = (step + 1) % self.mask_refresh_every == 0
+    if self.mask_refresh_drift:
+      drift = base.flip_rates(plain, sparsity, entry="refresh_mask", name="drift")["drift"]
+      metrics["mask_refresh/drift"] = drift
+      refresh = refresh | (drift > self.mask_refresh_drift)
 
     def fresh():
-      new = {p: self.mask(base.kernel_at(params, p), {}) for p in paths}
-      kept = jnp.mean(jnp.stack([masks.transposable_kept_ratio(base.kernel_at(params, p))
-                                 for p in paths]))
+      new = {p: self.mask(w, {}) for p, w in kernels.items()}
+      kept = jnp.mean(jnp.stack([masks.transposable_kept_ratio(w) for w in kernels.values()]))
       return new, kept.astype(jnp.float32)
 
     def cached():
       return {p: base.layer_at(sparsity, p)["mask"] for p in paths}, jnp.float32(jnp.nan)
 
     new, kept = jax.lax.cond(refresh, fresh, cached)
-    metrics = {name: jnp.where(refresh, rate / k, jnp.nan)
-               for name, rate in base.flip_rates(new, sparsity).items()}
-    metrics["transposable_kept_ratio"] = kept
-    return new, metrics
+    changed = base.flip_rates(new, sparsity, name="changed")["changed"]
+    metrics.update({"mask_refresh/changed": jnp.where(refresh, changed, jnp.nan),
+                    "mask_refresh/refreshed": refresh.astype(jnp.float32),
+                    "transposable_kept_ratio": kept})
+    sparsity = state_lib.with_masks(sparsity, new)
+    if self.mask_refresh_drift:
+      sparsity = state_lib.with_layer_entry(
+          sparsity, "refresh_mask",
+          {p: jnp.where(refresh, plain[p], base.layer_at(sparsity, p)["refresh_mask"])
+           for p in paths})
+    return sparsity, metrics
 
 
 base.register_method("t_sr_ste", TSRSTE())
