@@ -4,14 +4,14 @@ Per kernel and shape (GPT-2 124M..1.5B FFN shapes: d in {768, 1024, 1280,
 1600}, hidden 4d; token counts 16..16384; bf16) it prints the median time of
 the Pallas kernel and of the XLA path it would replace (warm-up, then many
 reps, each fenced by `jax.block_until_ready`), their ratio (xla / kernel: > 1
-means the kernel is faster), and the achieved bandwidth (GB/s, % of the
-H100 SXM datasheet 3.35 TB/s) or FLOP rate (TFLOP/s, % of the datasheet
-989 TFLOP/s dense bf16); sources in kernels/BENCHMARKS.md.
+means the kernel is faster), and the achieved bandwidth (GB/s) or FLOP rate
+(TFLOP/s) with their share of the running GPU's datasheet peaks (`PEAKS`:
+A100, H100, B200; sources in kernels/BENCHMARKS.md).
 
 It refuses to run on CPU (interpret-mode timings are meaningless) unless
 asked for a smoke run: `python -m kernels.bench --interpret --small`.
 Options: --only name[,name] (sparsify24, transposable, mvue24, matmul,
-matmul_bwd, venom, gated), --reps N, --json PATH (rows as JSON),
+matmul_bwd, venom, gated, tcgen05 (Blackwell only)), --reps N, --json PATH (rows as JSON),
 --full (all d x all token counts; the default trims the sweep to fit one
 10-minute GPU call), --markdown (print a table for kernels/BENCHMARKS.md).
 """
@@ -34,13 +34,30 @@ from kernels import sparsify24 as sp
 from kernels import transposable_mask as tm
 from kernels import venom as vn
 
-# NVIDIA H100 SXM datasheet peaks (kernels/BENCHMARKS.md names the source).
-H100_BW = 3.35e12      # bytes/s, HBM3
-H100_BF16 = 989e12     # FLOP/s, dense bf16 tensor core
+# Datasheet peaks per GPU (dense bf16 tensor-core FLOP/s, HBM bytes/s); sources in
+# kernels/BENCHMARKS.md. pct_bw / pct_flops are against the running GPU's entry (the H100
+# SXM's when the device is not listed).
+PEAKS = {
+    "A100": (312e12, 2.039e12),     # A100 SXM4 80GB
+    "H100": (989e12, 3.35e12),      # H100 SXM5 80GB
+    "B200": (2.25e15, 8.0e12),      # B200 (HGX B200 per-GPU)
+}
+H100_BF16, H100_BW = PEAKS["H100"]
+
+
+def peaks(device_kind: str) -> tuple[float, float]:
+  """(dense bf16 FLOP/s, bytes/s) of the GPU whose name contains a PEAKS key."""
+  for name, value in PEAKS.items():
+    if name in device_kind:
+      return value
+  return PEAKS["H100"]
 WIDTHS = (768, 1024, 1280, 1600)
 TOKENS = (16, 64, 256, 1024, 4096, 16384)
 KERNELS = ("sparsify24", "transposable", "mvue24", "matmul", "matmul_bwd",
-           "venom", "gated")
+           "venom", "gated", "tcgen05")
+
+
+_PEAK = {"flops": H100_BF16, "bw": H100_BW}   # set from the device in main()
 
 
 def _row(kernel, shape, t_k, t_x, *, nbytes=None, flops=None, note=""):
@@ -48,10 +65,10 @@ def _row(kernel, shape, t_k, t_x, *, nbytes=None, flops=None, note=""):
            xla_us=t_x * 1e6, xla_over_kernel=t_x / t_k)
   if nbytes is not None:
     r["GBps"] = nbytes / t_k / 1e9
-    r["pct_bw"] = 100 * nbytes / t_k / H100_BW
+    r["pct_bw"] = 100 * nbytes / t_k / _PEAK["bw"]
   if flops is not None:
     r["TFLOPs"] = flops / t_k / 1e12
-    r["pct_flops"] = 100 * flops / t_k / H100_BF16
+    r["pct_flops"] = 100 * flops / t_k / _PEAK["flops"]
   if note:
     r["note"] = note
   return r
@@ -173,12 +190,30 @@ def bench_gated(cases, dtype, interpret, reps):
                  c.time_fn(rb, x, dy, reps=reps), nbytes=5 * t * h * isz)
 
 
+def bench_tcgen05(cases, dtype, interpret, reps):
+  """The three 2:4 GEMMs of a layer on Blackwell's sparse tensor cores vs the dense
+  XLA GEMM of the same shape (TFLOP/s dense-equivalent)."""
+  from kernels import tcgen05 as tc   # pylint: disable=g-import-not-at-top
+  try:
+    tc.check_device()
+  except tc.NotBlackwellError:
+    yield dict(kernel="tcgen05", shape="-", note="skipped: not a Blackwell GPU")
+    return
+  del interpret
+  for t, n, k in cases:
+    x, values, meta, dense = _matmul_operands(t, n, k, dtype)
+    fwd = jax.jit(tc.forward)
+    yield _row("tcgen05_forward", (t, n, k), c.time_fn(fwd, x, values, meta, reps=reps),
+               c.time_fn(jax.jit(_dense_mm), x, dense, reps=reps), flops=2 * t * n * k,
+               note="xla: dense x @ W~^T")
+
+
 def _plan(small: bool, full: bool):
   if small:
     return dict(sparsify24=[(16, 64)], transposable=[(32, 64)],
                 mvue24=[(16, 64)], matmul=[(16, 64, 128)],
                 matmul_bwd=[(16, 64, 128)], venom=[(32, 32)],
-                gated=[(16, 16)])
+                gated=[(16, 16)], tcgen05=[(128, 128, 128)])
   widths = WIDTHS if full else (768, 1600)
   weights = [(4 * d, d) for d in widths] + [(d, 4 * d) for d in widths]
   mm_tokens = TOKENS if full else (16, 64, 256, 4096)
@@ -190,6 +225,7 @@ def _plan(small: bool, full: bool):
       matmul_bwd=[(t, n, k) for (n, k) in weights[:1] for t in (64, 4096)],
       venom=[(t, d) for d in widths for t in (1024, 16384)],
       gated=[(t, d) for d in widths for t in (1024, 16384)],
+      tcgen05=[(t, n, k) for (n, k) in weights for t in (4096, 16384)],
   )
 
 
@@ -225,7 +261,8 @@ def main(argv=None) -> int:
   fns = dict(sparsify24=bench_sparsify24, transposable=bench_transposable,
              mvue24=bench_mvue24, matmul=bench_matmul,
              matmul_bwd=bench_matmul_bwd, venom=bench_venom,
-             gated=bench_gated)
+             gated=bench_gated, tcgen05=bench_tcgen05)
+  _PEAK["flops"], _PEAK["bw"] = peaks(jax.devices()[0].device_kind)
   print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), "
         f"jax {jax.__version__}, dtype {jnp.dtype(dtype).name}, reps {reps}"
         + (", INTERPRET (timings meaningless)" if args.interpret else ""))

@@ -66,11 +66,13 @@ class Case:
 def _dense_mma(arch: str) -> tuple[str, ...]:
   """Tensor-core MMAs acceptable for the Triton kernels' dense dots on `arch`.
 
-  mma.sync everywhere; on sm_90a / sm_100a Triton emits wgmma where a dot's tile has >= 64
-  rows per warpgroup (dvalues, venom_matmul) and mma.sync for the small token tiles of the
-  memory-bound compressed matmul (16 and 32 rows), which is what those tiles are for.
+  mma.sync everywhere; where a dot's tile is large enough (>= 64 rows: dvalues,
+  venom_matmul) Triton emits the generation's own MMA instead, wgmma on sm_90a and (dense)
+  tcgen05.mma on sm_100a. The small token tiles of the memory-bound compressed matmul (16 and
+  32 rows) get mma.sync, which is what those tiles are for.
   """
-  return ("mma.sync",) if arch == "sm_80" else ("mma.sync", "wgmma.mma_async")
+  return {"sm_80": ("mma.sync",), "sm_90a": ("mma.sync", "wgmma.mma_async"),
+          "sm_100a": ("mma.sync", "tcgen05.mma")}[arch]
 
 
 def cases(gpu: str, widths, tokens) -> list[Case]:

@@ -1,7 +1,7 @@
 """MVUE 2:4: the unbiased stochastic 2:4 estimator, fused with compression.
 
 Why: the fully sparse linear layer computes dW = MVUE(dY^T) x with dY^T made
-2:4 along tokens (docs/algorithms.md, "MVUE 2:4 weight gradient"). The
+2:4 along tokens (docs/algorithms.md, "MVUE 2:4 estimator"). The
 estimator is elementwise per group of four, so one pass that reads the dense
 input once and writes compressed values + metadata is all the memory traffic
 there is. (`s24jax.masks.mvue24` is the same estimator with jax.random draws;

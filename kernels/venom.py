@@ -12,7 +12,7 @@ Format, for x [R, C] with blocks of V rows x M columns (C = contraction axis):
             score(S) = sum over the V rows of the two largest |x| in S; the
             first best subset in lexicographic order wins ties (exactly
             `s24jax.masks.venom_select` with n = 2, the reference; see
-            docs/algorithms.md, "V:N:M activation sparsity").
+            docs/algorithms.md, "Activation sparsity, V:N:M").
   * values  [R, 2 * C/M]: per row and block, the two kept values (2:4 inside
             the 4 chosen columns: the two largest |x|, ties to the lower).
   * meta    [R, ceil((C/M) / 8)] uint32: per row and block, the positions
