@@ -334,6 +334,23 @@ def test_update_layer_hand_case_regrows_dropped():
   assert flat(new) == [0, 1, 4, 6, 7, 9]
 
 
+def test_random_growth_is_uniform_over_the_candidates():
+  """Over many keys every candidate is grown at random about equally often (no pruning here,
+  so the candidates are the 24 inactive entries)."""
+  mask = np.zeros(48, bool)
+  mask[::2] = True
+  mask = mask.reshape(6, 8)
+  w = jnp.where(mask, 1.0, 0.0)
+  keys = jax.random.split(jax.random.PRNGKey(0), 4000)
+  f = jax.jit(jax.vmap(lambda k: mst.update_layer_mask(
+      w, mask, jnp.zeros((6, 8)), 0, 0, 6, mst.random_keys(k, 48))[1]["grown_random"]))
+  counts = np.asarray(f(keys)).sum(0).reshape(-1)                  # 6 grown per key
+  assert counts[mask.reshape(-1)].sum() == 0
+  p = 6 / 24
+  expect, sd = 4000 * p, math.sqrt(4000 * p * (1 - p))
+  assert np.all(np.abs(counts[~mask.reshape(-1)] - expect) < 5 * sd)
+
+
 def test_update_step_values_moments_and_the_skipped_optimizer_step():
   """The hand case through finish_step: kept and regrown-dropped weights keep their value,
   the new one starts at 0; the optimizer step is undone (Adam moments and count as before
