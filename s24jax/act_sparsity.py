@@ -302,6 +302,11 @@ def stats_from_intermediates(intermediates: Any) -> dict[str, jax.Array]:
     stat = name[4:]
     layer = path[0] if path[1:-1] == ("mlp",) else "/".join(path[:-1])
     x = value[-1] if isinstance(value, tuple) else value
+    if jnp.ndim(x) == 1:   # scanned blocks ('h'): one value per layer, stacked
+      for i, xi in enumerate(x):
+        out[f"act/{stat}/{layer}_{i}"] = xi
+        per_stat[stat].append(xi)
+      continue
     out[f"act/{stat}/{layer}"] = x
     per_stat[stat].append(x)
   for stat, xs in per_stat.items():

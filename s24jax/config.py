@@ -77,6 +77,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.attention_impl = "auto"
   c.model.remat = "none"
   c.model.loss_chunk = 0
+  c.model.scan_layers = False     # blocks under nn.scan: compile time independent of depth
 
   c.sparsity = ml_collections.ConfigDict()
   c.sparsity.projection = "dense"            # the method: methods.available_methods()

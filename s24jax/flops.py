@@ -39,6 +39,8 @@ from typing import Any, Mapping
 import flax
 import jax
 import jax.numpy as jnp
+import numpy as np
+import numpy as np
 from flax import traverse_util
 
 from s24jax import attention_masks
@@ -73,10 +75,11 @@ class StepFlops:
 
 def linear_kernel_shapes(params: Any) -> dict[str, tuple[int, int]]:
   """(out, in) of every linear kernel in the params ('h_0/attn/qkv' -> (3C, C)); embeddings,
-  positions, norms and biases are not kernels."""
+  positions, norms and biases are not kernels. The stacked (L, out, in) kernels of scanned
+  blocks count as (L * out, in): the same FLOPs."""
   flat = traverse_util.flatten_dict(flax.core.unfreeze(params))
-  return {"/".join(k[:-1]): tuple(v.shape) for k, v in flat.items()
-          if k[-1] == "kernel" and len(v.shape) == 2}
+  return {"/".join(k[:-1]): (int(np.prod(v.shape[:-1])), v.shape[-1]) for k, v in flat.items()
+          if k[-1] == "kernel" and len(v.shape) in (2, 3)}
 
 
 def attention_flops(model_cfg, attention: str, *, batch_size: int, seq_len: int) -> float:

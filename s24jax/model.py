@@ -50,6 +50,9 @@ class ModelConfig:
   # 'auto' (cudnn for causal attention on a GPU backend, xla otherwise).
   attention_impl: str = "auto"
   remat: str = "none"         # per block: 'none', 'full' (recompute all), 'save_dots'
+  # The blocks as one nn.scan over stacked parameters ('h', leading axis = layer): compile
+  # time stops growing with depth. Per-layer state is stacked the same way.
+  scan_layers: bool = False
   loss_chunk: int = 0         # tokens per chunk of the chunked loss; 0: plain (B, T, V) logits
   sparsity: SparsityConfig = SparsityConfig()
   act: ActSparsityConfig = ActSparsityConfig()
@@ -191,6 +194,30 @@ class Block(nn.Module):
     return x                                                                  # (B, T, C)
 
 
+class ScannedBlock(Block):
+  """A Block with the (carry, x) -> (carry, y) signature of nn.scan."""
+
+  def __call__(self, x: jax.Array, _) -> tuple[jax.Array, None]:   # pylint: disable=arguments-differ
+    return super().__call__(x), None
+
+
+def blocks(cfg: ModelConfig, x: jax.Array) -> jax.Array:
+  """The L blocks: unrolled ('h_0' ... 'h_{L-1}') or one nn.scan ('h', stacked)."""
+  policy = REMAT_POLICIES[cfg.remat]
+  if not cfg.scan_layers:
+    block = Block if cfg.remat == "none" else nn.remat(Block, policy=policy)
+    for i in range(cfg.num_layers):
+      x = block(cfg, name=f"h_{i}")(x)
+    return x
+  block = ScannedBlock if cfg.remat == "none" else nn.remat(ScannedBlock, policy=policy,
+                                                             prevent_cse=False)
+  scanned = nn.scan(block, length=cfg.num_layers,
+                    variable_axes={"params": 0, "sparsity": 0, "intermediates": 0},
+                    split_rngs={"params": True, "sparsity": True})
+  x, _ = scanned(cfg, name="h")(x, None)
+  return x
+
+
 class GPT2(nn.Module):
   """Token ids (B, T) -> logits (B, T, vocab) in float32; with targets (B, T): the summed
   token cross-entropy instead (chunked if `loss_chunk`, without the whole logits)."""
@@ -209,9 +236,7 @@ class GPT2(nn.Module):
                       embedding_init=nn.initializers.normal(0.02), dtype=dtype, name="wte")
     wpe = self.param("wpe", nn.initializers.normal(0.01), (cfg.seq_len, cfg.d_model))
     x = (wte(tokens) + wpe[:T]).astype(dtype)                                 # (B, T, C)
-    block = Block if cfg.remat == "none" else nn.remat(Block, policy=REMAT_POLICIES[cfg.remat])
-    for i in range(cfg.num_layers):
-      x = block(cfg, name=f"h_{i}")(x)
+    x = blocks(cfg, x)                                                        # (B, T, C)
     x = nn.LayerNorm(dtype=dtype, name="ln_f")(x)
     if targets is not None and cfg.loss_chunk:
       return losses.chunked_cross_entropy_sum(x.astype(dtype), targets, wte.head(),

@@ -22,15 +22,16 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 AXES = ("data", "fsdp")
-# (pattern over the leaf path, the dimension sharded along 'fsdp'). Kernels are (out, in):
-# sharding `out` keeps every 2:4 group (along `in`) whole on one device, so masks and
-# projections need no communication. The vocabulary rows of the embedding, the positions of
-# the position table. Everything else (biases, norms, scales, counters) is replicated.
+# (pattern over the leaf path, the dimension sharded along 'fsdp', counted from the end).
+# Kernels are (out, in), or (L, out, in) for scanned blocks: sharding `out` keeps every 2:4
+# group (along `in`) whole on one device, so masks and projections need no communication, and
+# keeps each scanned layer split over all devices. The vocabulary rows of the embedding, the
+# positions of the position table. Everything else (biases, norms, scales) is replicated.
 RULES: tuple[tuple[str, int], ...] = (
-    (r"(^|/)kernel$", 0),
-    (r"(^|/)mask$", 0),
-    (r"(^|/)embedding$", 0),
-    (r"(^|/)wpe$", 0),
+    (r"(^|/)kernel$", -2),
+    (r"(^|/)(mask|plain_mask|refresh_mask)$", -2),
+    (r"(^|/)embedding$", -2),
+    (r"(^|/)wpe$", -2),
 )
 
 
@@ -82,8 +83,8 @@ class Partitioner:
     if self.fsdp > 1:
       for pattern, dim in RULES:
         if re.search(pattern, path):
-          if len(shape) > dim and shape[dim] % self.fsdp == 0:
-            return P(*([None] * dim + ["fsdp"]))
+          if len(shape) >= -dim and shape[dim] % self.fsdp == 0:
+            return P(*([None] * (len(shape) + dim) + ["fsdp"]))
           break
     return P()
 

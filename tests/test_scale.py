@@ -252,3 +252,89 @@ def test_a_diverged_run_stops_and_keeps_a_finite_checkpoint(tmp_path, data_cache
     ckpt.close()
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(restored.params))
   assert not os.path.exists(os.path.join(workdir, "final_metrics.json"))
+
+
+def test_scanned_blocks_equal_the_unrolled_model():
+  """model.scan_layers: the same network as the unrolled blocks when the stacked parameters
+  and sparsity state are the unrolled ones stacked (an independent re-layout)."""
+  cfg = tiny_config("s_ste", model__num_layers=3, sparsity__fp8=False, sparsity__mvue=False)
+  _, model_cfg, _ = loop.build(cfg)
+  unrolled = model_lib.GPT2(model_cfg)
+  scanned = model_lib.GPT2(dataclasses.replace(model_cfg, scan_layers=True, remat="save_dots"))
+  tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, 1000)
+  targets = jax.random.randint(jax.random.key(1), (2, 16), 0, 1000)
+  v = unrolled.init(jax.random.key(2), tokens)
+
+  def stack(tree):
+    tree = dict(tree)
+    layers = [tree.pop(f"h_{i}") for i in range(3)]
+    tree["h"] = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+    return tree
+
+  vs = {"params": stack(v["params"]), "sparsity": stack(v["sparsity"])}
+  shapes = jax.eval_shape(scanned.init, jax.random.key(2), tokens)
+  assert jax.tree.map(lambda x: x.shape, vs) == jax.tree.map(lambda x: x.shape, dict(shapes))
+  f_u = lambda p: unrolled.apply({**v, "params": p}, tokens, targets)   # pylint: disable=unnecessary-lambda-assignment
+  f_s = lambda p: scanned.apply({**vs, "params": p}, tokens, targets)   # pylint: disable=unnecessary-lambda-assignment
+  (lu, gu), (ls, gs) = jax.value_and_grad(f_u)(v["params"]), jax.value_and_grad(f_s)(vs["params"])
+  np.testing.assert_allclose(float(ls), float(lu), rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(gs), jax.tree.leaves(stack(gu))):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+  # The method's per-layer work applies layer by layer to the stacked state: the S-STE
+  # rescale gives each layer its own scale, and the flip rate counts every layer.
+  method = dataclasses.replace(model_cfg.sparsity.method, rescale_every=1)
+  new = method.update_layers(vs["params"], vs["sparsity"], jnp.asarray(1))
+  want = [float(s) for i in range(3) for s in [v["sparsity"][f"h_{i}"]["mlp"]["fc"]["scale"]]]
+  w = [v["params"][f"h_{i}"]["mlp"]["fc"]["kernel"] for i in range(3)]
+  from s24jax.methods import s_ste   # pylint: disable=g-import-not-at-top
+  np.testing.assert_allclose(new["h"]["mlp"]["fc"]["scale"],
+                             [float(s_ste.s_ste_scale(k)) for k in w], rtol=1e-6)
+  assert len(set(np.round(want, 6))) == 3
+
+
+@pytest.mark.aot
+def test_planner_reports_memory_and_detects_xla_rematerialization(tmp_path):
+  """The planner on a small S-STE config for an H100 (deviceless); then for an H100 shrunk to
+  half of that step's memory need: it must not fit, the 16x-memory copy must show the true
+  need (the first compile's total), and if XLA rematerialized to squeeze under the limit the
+  planner must say so."""
+  code = r"""
+import json, sys
+from s24jax import aot, plan
+aot.start()
+from s24jax import compare
+cfg = compare.load_config(sys.argv[1], {"model.num_layers": 1, "model.num_heads": 2,
+                                        "model.d_model": 64, "model.vocab_size": 512})
+real = plan.plan(cfg, "h100", 1, search=False)
+small = real["total_bytes_per_device"] // 2
+plan.device_memory = lambda gpu: small
+orig = plan._target_with_memory
+plan._target_with_memory = lambda gpu, f: orig(gpu, 1).replace(
+    "device_memory_size: 84978434048", f"device_memory_size: {small * f}")
+tight = plan.plan(cfg, "h100", 1, search=True)
+json.dump({"real": real, "tight": tight}, open(sys.argv[2], "w"))
+"""
+  out = tmp_path / "plans.json"
+  subprocess.run([sys.executable, "-c", code,
+                  os.path.join(REPO, "experiments", "gpt2_s_ste.py") + ":tiny", str(out)],
+                 check=True, cwd=REPO, timeout=1200)
+  r = json.loads(out.read_text())
+  real, tight = r["real"], r["tight"]
+  for key in ("fits", "total_bytes_per_device", "xla_rematerialized", "global_batch_tokens",
+              "micro_batch", "grad_accum_steps", "flops_per_step"):
+    assert key in real, key
+  assert real["fits"] and not real["xla_rematerialized"]
+  assert real["global_batch_tokens"] == 16 * 64 and real["micro_batch"] == 16
+  assert real["grad_accum_steps"] == 1
+  assert real["total_bytes_per_device"] == (real["argument_size_in_bytes"]
+                                           + real["output_size_in_bytes"]
+                                           - real["alias_size_in_bytes"]
+                                           + real["temp_size_in_bytes"])
+  # the forward/backward matmuls: about 6 N tokens (here the 64-wide head and attention too)
+  assert 0.8 < real["flops_per_step"] / (6 * real["params"] * 1024) < 3.0
+  assert not tight["fits"]
+  assert tight["total_bytes_without_xla_remat"] == real["total_bytes_per_device"]
+  if tight["xla_rematerialized"]:
+    assert tight["total_bytes_per_device"] < tight["total_bytes_without_xla_remat"]
+  best = tight["largest_fitting_micro_batch"]
+  assert best is None or best < 16

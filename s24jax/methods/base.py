@@ -173,7 +173,7 @@ class Method:
     for path in state_lib.sparse_layer_paths(state.sparsity):
       layer = state_lib.get_path(params, path)
       name = state_lib.weight_name(layer)
-      layer[name] = self.project(layer[name], layer_at(state.sparsity, path))
+      layer[name] = per_layer(self.project)(layer[name], layer_at(state.sparsity, path))
     return state.replace(params=params)
 
   def hooks(self, config) -> list:
@@ -237,13 +237,24 @@ def flip_rates(new: dict[tuple[str, ...], jax.Array], sparsity: Any, *, entry: s
   return out
 
 
+def per_layer(fn):
+  """fn(kernel (out, in), *per-layer args) applied layer by layer to the stacked kernels of
+  scanned blocks ((L, out, in), model.scan_layers; the args stacked along their first axis)."""
+  def apply(kernel, *args):
+    if kernel.ndim <= 2:
+      return fn(kernel, *args)
+    return jax.vmap(per_layer(fn))(kernel, *args)
+  return apply
+
+
 def layer_scalars(sparsity: Any) -> dict[str, jax.Array]:
   """Scalar layer state (e.g. the S-STE scale) per layer, 'sparsity/<name>/<layer>', and its
   mean over layers, 'sparsity/<name>' (so a growing recomputed scale is visible)."""
   out, per_name = {}, {}
   for path in state_lib.sparse_layer_paths(sparsity):
     for name, value in state_lib.get_path(sparsity, path).items():
-      if name != "mask" and getattr(value, "ndim", None) == 0:
+      if name != "mask" and getattr(value, "ndim", None) in (0, 1):
+        value = jnp.mean(value) if value.ndim else value   # scanned blocks: mean over layers
         out[f"sparsity/{name}/{state_lib.layer_name(path)}"] = value
         per_name.setdefault(name, []).append(value.astype(jnp.float32))
   for name, values in per_name.items():

@@ -524,6 +524,9 @@ class MST(base.Method):
                        f"{self.sparse_attention_start}, {self.sparse_attention_end}")
 
   def configure(self, config):
+    if config.model.get("scan_layers", False):   # per-layer counts need per-layer kernels
+      raise ValueError(f"sparsity.projection={self.name!r} needs model.scan_layers=False "
+                       "(its topology updates count weights per layer)")
     if config.sparsity.backend != "xla":   # fast backends assume 2:4; these masks are not
       raise ValueError(f"sparsity.projection={self.name!r} (unstructured masks) needs "
                        f"sparsity.backend='xla', got {config.sparsity.backend!r}")

@@ -81,7 +81,8 @@ class SSTE(base.Method):
     for path in state_lib.sparse_layer_paths(sparsity):
       old = base.layer_at(sparsity, path)["scale"]
       new[path] = jax.lax.cond(steps_done % k == 0,
-                               lambda w=base.kernel_at(params, path): s_ste_scale(w),
+                               lambda w=base.kernel_at(params, path):
+                               base.per_layer(s_ste_scale)(w),
                                lambda old=old: jnp.asarray(old, jnp.float32))
     return state_lib.with_layer_entry(sparsity, "scale", new)
 
