@@ -62,7 +62,8 @@ class SparsityConfig:
 
 
 def linear(x: jax.Array, w: jax.Array, *, backend: str = "xla", sparse: bool = False,
-           key: jax.Array | None = None, mvue: bool = False, fp8: bool = False) -> jax.Array:
+           key: jax.Array | None = None, mvue: bool = False, fp8: bool = False,
+           transposable: bool = False) -> jax.Array:
   """y = x W^T for x (..., in) and W (out, in), in x's dtype with float32 accumulation.
 
   sparse=True: W is the 2:4 projected weight W~ and all three GEMMs go through
@@ -73,7 +74,8 @@ def linear(x: jax.Array, w: jax.Array, *, backend: str = "xla", sparse: bool = F
   if backend not in BACKENDS:
     raise ValueError(f"unknown sparsity.backend {backend!r}; valid: {', '.join(BACKENDS)}")
   if sparse:
-    return sparse_ops.sparse_linear(x, w, key, mvue=mvue, backend=backend, fp8=fp8)
+    return sparse_ops.sparse_linear(x, w, key, mvue=mvue, backend=backend, fp8=fp8,
+                                    transposable=transposable)
   return jnp.einsum("...i,oi->...o", x, w.astype(x.dtype),
                     preferred_element_type=jnp.float32).astype(x.dtype)
 
@@ -128,8 +130,10 @@ class SparseLinear(nn.Module):
       # per layer by make_rng (which folds in this module's path); None outside training.
       key = (self.make_rng("sparsity") if sparse and sp.mvue and self.has_rng("sparsity")
              else None)
-      y = linear(x.astype(self.dtype), w, backend=sp.backend, sparse=sparse,
-                 key=key, mvue=sp.mvue, fp8=sp.fp8)                      # (..., out)
+      # Initialisation only needs shapes: the reference backend (no kernels at init).
+      backend = "xla" if self.is_initializing() else sp.backend
+      y = linear(x.astype(self.dtype), w, backend=backend, sparse=sparse, key=key,
+                 mvue=sp.mvue, fp8=sp.fp8, transposable=sp.method.transposable)  # (..., out)
     if self.use_bias:
       y = y + self.param("bias", nn.initializers.zeros, (self.features,)).astype(self.dtype)
     return y

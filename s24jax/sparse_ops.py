@@ -27,6 +27,10 @@ Backends (`sparsity.backend`, chosen per call in `uses_pallas_kernels`, the one 
                    expects them to win (a GPU, few tokens: the memory-bound regime), 'xla'
                    elsewhere. On CPU that is always 'xla'.
   'pallas_always'  the Pallas kernels for every sparse layer (equivalence tests, benchmarks).
+  'tcgen05'        Blackwell (sm_100a) only: forward y^T = W~ x^T, data gradient
+                   dX^T = W~^T dY^T (transposable masks; dense otherwise) and, with MVUE, the
+                   weight gradient MVUE(dY^T) x on 2:4 sparse tensor cores (kernels/tcgen05.py).
+                   Compiled for a B200, never run (no Blackwell GPU here).
 The Pallas path (`_pallas_linear_2d`) compresses W~ once per call (`kernels.compress24`),
 runs the forward (`kernels.sparse24_matmul`) and dX = dY W~ (`sparse24_matmul_dx`) on the
 compressed operand, and keeps the weight gradient the dense dY^T x (or its MVUE version)
@@ -55,7 +59,7 @@ from s24jax import fp8 as fp8_lib
 from s24jax import masks
 
 # See "Backends" above; sparsity.backend must be one of these.
-BACKENDS = ("xla", "pallas", "pallas_always")
+BACKENDS = ("xla", "pallas", "pallas_always", "tcgen05")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +68,9 @@ class GemmOptions:
   mvue: bool = False        # weight gradient from the MVUE 2:4 estimate of dY^T
   fp8: bool = False         # FP8 GEMMs (s24jax/fp8.py): e4m3 x and W~, e5m2 dY
   backend: str = "xla"      # GEMM implementation; 'xla' is the reference
+  # W~ is 2:4 along `out` too (a transposable mask, Method.transposable): the data-gradient
+  # GEMM may then run sparse ('tcgen05'); otherwise it is dense.
+  transposable: bool = False
 
   def __post_init__(self):
     if self.backend not in BACKENDS:
@@ -205,8 +212,64 @@ def _pallas_linear_2d_bwd(opts, res, dy):
 _pallas_linear_2d.defvjp(_pallas_linear_2d_fwd, _pallas_linear_2d_bwd)
 
 
+# ---------------------------------------------------------------------------------------------
+# The 'tcgen05' backend: every 2:4 GEMM on Blackwell's sparse tensor cores (kernels/tcgen05.py).
+# Compiled for sm_100a (python -m kernels.compile_check --gpu b200), never run: no Blackwell
+# GPU was available to this project. Off a Blackwell GPU it raises kernels.tcgen05's
+# NotBlackwellError (naming the 'xla' backend) when the step is traced.
+
+
+def _tcgen05():
+  from kernels import tcgen05   # pylint: disable=g-import-not-at-top  (Mosaic GPU when used)
+  tcgen05.check_device()
+  return tcgen05
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _tcgen05_linear_2d(opts: GemmOptions, x: jax.Array, w: jax.Array,
+                       key: jax.Array | None) -> jax.Array:
+  values, meta = _compress(w, x.dtype)
+  return _tcgen05().forward(x, values, meta)                         # (N, out)
+
+
+def _tcgen05_linear_2d_fwd(opts, x, w, key):
+  import kernels   # pylint: disable=g-import-not-at-top
+  values, meta = _compress(w, x.dtype)                               # along in
+  y = _tcgen05().forward(x, values, meta)                            # (N, out)
+  # dX^T = W~^T dY^T needs W~^T 2:4, i.e. W~ compressed along `out`: only for transposable
+  # masks; otherwise dX is the dense XLA GEMM on W~.
+  wt = (kernels.compress24(w.T.astype(x.dtype), interpret=False) if opts.transposable
+        else w.astype(x.dtype))
+  return y, (x, wt, key)
+
+
+def _tcgen05_linear_2d_bwd(opts, res, dy):
+  import kernels   # pylint: disable=g-import-not-at-top
+  x, wt, key = res
+  tc = _tcgen05()
+  dy = dy.astype(x.dtype)
+  if opts.transposable:
+    dx = tc.data_grad(dy, *wt)                                       # (N, in)
+  else:
+    dx = _dgrad_gemm(dy, wt, opts).astype(x.dtype)                   # (N, in), dense
+  if opts.mvue:   # the point of MVUE: dW = MVUE(dY^T) x, 2:4 along the tokens
+    if key is None:
+      raise ValueError("sparsity.mvue needs a PRNG key (rngs={'sparsity': key})")
+    dw = tc.weight_grad(dy, x, kernels.seed_from_key(key))          # (out, in)
+  else:
+    dw = _matmul_f32(dy.T, x, ((1,), (0,)))                          # (out, in), dense
+  dkey = None if key is None else np.zeros(key.shape, jax.dtypes.float0)
+  # w's dtype: the residual wt has it when not transposable; compressed values otherwise.
+  w_dtype = wt.dtype if not opts.transposable else wt[0].dtype
+  return dx.astype(x.dtype), dw.astype(w_dtype), dkey
+
+
+_tcgen05_linear_2d.defvjp(_tcgen05_linear_2d_fwd, _tcgen05_linear_2d_bwd)
+
+
 def sparse_linear(x: jax.Array, w: jax.Array, key: jax.Array | None = None, *,
-                  mvue: bool = False, backend: str = "xla", fp8: bool = False) -> jax.Array:
+                  mvue: bool = False, backend: str = "xla", fp8: bool = False,
+                  transposable: bool = False) -> jax.Array:
   """y = x W~^T for x (..., in) and a 2:4 W~ (out, in), with the three-GEMM backward.
 
   Args:
@@ -216,14 +279,17 @@ def sparse_linear(x: jax.Array, w: jax.Array, key: jax.Array | None = None, *,
     key: PRNG key for MVUE (per layer, per step); only used when `mvue` and differentiated.
     mvue: estimate the weight gradient from MVUE(dY^T), 2:4 along tokens (unbiased).
     backend: GEMM implementation, one of BACKENDS ('xla', 'pallas': Pallas kernels where
-      they are expected to win, 'pallas_always'); see the module docstring.
+      they are expected to win, 'pallas_always', 'tcgen05': Blackwell's sparse tensor cores
+      for all three GEMMs); see the module docstring.
+    transposable: W~'s mask is transposable (2:4 along `out` too), so 'tcgen05' runs the
+      data-gradient GEMM sparse as well.
     fp8: all three GEMMs in FP8 with per-tensor amax scaling (s24jax/fp8.py): x and W~ in
       e4m3, dY (and its MVUE estimate) in e5m2, fp32 accumulation.
 
   Returns:
     y (..., out) in x's dtype, accumulated in float32.
   """
-  opts = GemmOptions(mvue=mvue, backend=backend, fp8=fp8)
+  opts = GemmOptions(mvue=mvue, backend=backend, fp8=fp8, transposable=transposable)
   if x.shape[-1] != w.shape[-1]:
     raise ValueError(f"sparse_linear: x has {x.shape[-1]} input features (last axis of "
                      f"{tuple(x.shape)}) but W~ {tuple(w.shape)} expects {w.shape[-1]}.")
@@ -235,5 +301,7 @@ def sparse_linear(x: jax.Array, w: jax.Array, key: jax.Array | None = None, *,
                        f"dimension (in_features, here {w.shape[1]} of W~ {tuple(w.shape)}) "
                        "to be a multiple of 4 (2:4 groups along it).")
     op = _pallas_linear_2d
+  if backend == "tcgen05":
+    op = _tcgen05_linear_2d
   y = op(opts, x.reshape(-1, x.shape[-1]), w, key)                   # (N, out)
   return y.reshape(*lead, w.shape[0])                                # (..., out)

@@ -76,6 +76,8 @@ class Method:
   sparse: ClassVar[bool] = True
   # Whether the method's linear layers are 2:4 along `in` (the fast GEMM backends need it).
   structured_24: ClassVar[bool] = True
+  # Whether its masks are transposable (W~ 2:4 along `out` too): sparse data-gradient GEMMs.
+  transposable: ClassVar[bool] = False
 
   # -- configuration --------------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ controller, the flip-rate warning) is SR-STE's (methods/sr_ste.py).
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +46,7 @@ masked_ste24.defvjp(_masked_ste24_fwd, _masked_ste24_bwd)
 
 @dataclasses.dataclass(frozen=True)
 class TSRSTE(sr_ste.SRSTE):
+  transposable: ClassVar[bool] = True
   # Optimizer steps between refreshes of the cached transposable mask (Hu et al.: 40).
   mask_refresh_every: int = 40
   # 0: refresh exactly every mask_refresh_every steps (the paper). > 0: also refresh after
