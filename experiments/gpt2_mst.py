@@ -33,6 +33,7 @@ def get_config(variant=None):
   config.sparsity.sparse_layers = ("*/attn/*", "*/mlp/*", "wte")
   config.sparsity.mst.sparse_attention = "strided"
   config = apply_variant(config, variant)
+  config.model.scan_layers = False   # topology updates count weights per (unstacked) layer
   if variant == "tiny":
     config.model.attention_stride = 8       # seq_len 64: 8 strided keys per query at the end
     config.sparsity.mst.update_every = 25   # 600 steps: 23 topology updates (25 .. 575)

@@ -145,6 +145,17 @@ def apply_variant(c: ml_collections.ConfigDict, variant: str | None) -> ml_colle
     raise ValueError(f"unknown config variant {variant!r}; valid: {', '.join(VARIANTS)}")
   if variant in GPT2_SIZES:
     c.model.num_layers, c.model.num_heads, c.model.d_model = GPT2_SIZES[variant]
+    # The paper's global batch (512 x 1024 tokens) on 8 GPUs: micro-batches of 64 sequences
+    # (8 per GPU), 8 accumulation steps; blocks scanned (compile time independent of depth),
+    # matmul outputs kept and the rest recomputed, the loss chunked. 774M and 1.5B shard
+    # their state over every device (ZeRO-3). `python -m s24jax.plan` checks a GPU count:
+    # README, "Planning a run".
+    c.grad_accum_steps = 8
+    c.model.scan_layers = True
+    c.model.remat = "save_dots"
+    c.model.loss_chunk = 2048
+    if variant in ("774m", "1558m"):
+      c.mesh.fsdp, c.mesh.data = -1, 1
     return c
   c.total_steps = 600
   c.batch_size = 16

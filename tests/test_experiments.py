@@ -26,16 +26,22 @@ def test_the_four_foundation_recipes_exist():
 @pytest.mark.parametrize("path", FILES, ids=os.path.basename)
 @pytest.mark.parametrize("variant", config_lib.VARIANTS)
 def test_builds_config_and_abstract_state(path, variant):
-  """Traces one block of the model (blocks are identical) to keep this fast at 1.5B."""
+  """Traces one block of the model (blocks are identical, or scanned) to keep this fast."""
   config = compare.load_config(f"{path}:{variant}")
   assert config.seed == 0 and config.total_steps > 0
   num_layers = config.model.num_layers
-  config.model.num_layers = 1
+  scanned = config.model.scan_layers
+  if not scanned:
+    config.model.num_layers = 1
   _, model_cfg, tx_fn = loop.build(config)
   model, dense_model = GPT2(model_cfg), GPT2(model_cfg.dense_twin())
   abstract = jax.eval_shape(lambda: train.init_state(model, tx_fn, config.seed))
   count = lambda tree: sum(x.size for x in jax.tree.leaves(tree))
-  n = count(abstract.params) + (num_layers - 1) * count(abstract.params["h_0"])
+  if scanned:
+    assert abstract.params["h"]["mlp"]["fc"]["kernel"].shape[0] == num_layers
+    n = count(abstract.params)
+  else:
+    n = count(abstract.params) + (num_layers - 1) * count(abstract.params["h_0"])
   if variant in EXPECTED_PARAMS_M and model.config.activation in ("gelu", "relu", "relu2") \
       and model.config.mlp_ratio == 4.0:
     assert abs(n / 1e6 - EXPECTED_PARAMS_M[variant]) < 0.01 * EXPECTED_PARAMS_M[variant], n
