@@ -375,3 +375,9 @@ def sparse24_matmul_reference(x, values, meta):
   y = jnp.einsum("...k,nk->...n", x, w, precision=prec,
                  preferred_element_type=jnp.float32)
   return y.astype(x.dtype)
+
+
+if __name__ == "__main__":   # python -m kernels.compressed_matmul: this family's rows of kernels.bench
+  import sys   # pylint: disable=g-import-not-at-top
+  from kernels import bench   # pylint: disable=g-import-not-at-top
+  sys.exit(bench.main(["--only", "matmul,matmul_bwd", *sys.argv[1:]]))

@@ -203,3 +203,9 @@ def gated_act_reference(x, kind: str = "geglu", *, approximate: bool = True):
   act = (jax.nn.silu(g) if kind == "swiglu"
          else jax.nn.gelu(g, approximate=approximate))
   return (v * act).astype(x.dtype)
+
+
+if __name__ == "__main__":   # python -m kernels.gated_activation: this family's rows of kernels.bench
+  import sys   # pylint: disable=g-import-not-at-top
+  from kernels import bench   # pylint: disable=g-import-not-at-top
+  sys.exit(bench.main(["--only", "gated", *sys.argv[1:]]))

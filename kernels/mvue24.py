@@ -12,8 +12,9 @@ Estimator (per group x_0..x_3): a_i = |x_i| + eps, S = sum a_i. Draw a first
 index with probability a_i / S, then a second from the other three with
 probability proportional to a_j. Keep the two drawn entries as x_i / p_i with
 p_i = a_i/S + sum_{j != i} (a_j/S) * a_i/(S - a_j), the inclusion
-probability; E[result] = x exactly. eps > 0 only guards the all-zero group
-(it affects the variance, never the mean).
+probability; E[result] = x exactly. eps follows `s24jax.masks.mvue24`'s rule, one rule
+for both: eps = MVUE_REL_EPS * max_j |x_j| + the smallest normal float32, per group
+(scale-invariant; it affects the variance, never the mean).
 
 Randomness: `pltpu.prng_*` is TPU only and the Triton backend has no RNG
 primitive, so draws come from a counter-based hash: for global group index
@@ -41,8 +42,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from kernels import _common as c
+from s24jax import masks
 
-DEFAULT_EPS = 1e-12
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,14 +92,23 @@ def _draw(w, u):
   return idx, total
 
 
-def _mvue_group(x, u1, u2, eps):
+def _weights(xf):
+  """a_i = |x_i| + eps, eps = MVUE_REL_EPS * max_j |x_j| + tiny: masks.mvue24's rule."""
+  a = [jnp.abs(v) for v in xf]
+  eps = (jnp.float32(masks.MVUE_REL_EPS) * jnp.maximum(jnp.maximum(a[0], a[1]),
+                                                        jnp.maximum(a[2], a[3]))
+         + jnp.float32(masks.MVUE_TINY))
+  return [v + eps for v in a]
+
+
+def _mvue_group(x, u1, u2):
   """Per-position inputs x[0..3] (any float) -> (i0, i1, v0, v1), i0 < i1.
 
   Shared by the kernel and the reference so both do the same float ops in
   the same order.
   """
   xf = [v.astype(jnp.float32) for v in x]
-  a = [jnp.abs(v) + jnp.float32(eps) for v in xf]
+  a = _weights(xf)
   first, s = _draw(a, u1)
   zero = jnp.zeros_like(a[0])
   second, _ = _draw([jnp.where(first == j, zero, a[j]) for j in range(4)], u2)
@@ -123,8 +133,7 @@ def _mvue_group(x, u1, u2, eps):
   return lo.astype(jnp.uint32), hi.astype(jnp.uint32), v0, v1
 
 
-def _mvue_kernel(x_ref, seed_ref, values_ref, meta_ref, *, br, bk, groups,
-                 eps):
+def _mvue_kernel(x_ref, seed_ref, values_ref, meta_ref, *, br, bk, groups):
   g = bk // 4
   x = [x_ref[:, pl.ds(j, g, stride=4)] for j in range(4)]
   row = (pl.program_id(0) * br
@@ -135,21 +144,19 @@ def _mvue_kernel(x_ref, seed_ref, values_ref, meta_ref, *, br, bk, groups,
   sh = seed_hash(seed_ref[0])
   u1 = _uniform(sh, counter)
   u2 = _uniform(sh, counter + jnp.uint32(1))
-  i0, i1, v0, v1 = _mvue_group(x, u1, u2, eps)
+  i0, i1, v0, v1 = _mvue_group(x, u1, u2)
   nib = jnp.where(col < groups, c.nibble(i0, i1), jnp.uint32(c.EMPTY_NIBBLE))
   values_ref[:, pl.ds(0, g, stride=2)] = v0.astype(values_ref.dtype)
   values_ref[:, pl.ds(1, g, stride=2)] = v1.astype(values_ref.dtype)
   meta_ref[...] = c.pack_nibbles(nib)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "config", "interpret",
-                                             "poison"))
-def _mvue24(x, seed, *, eps, config, interpret, poison=False):
+@functools.partial(jax.jit, static_argnames=("config", "interpret", "poison"))
+def _mvue24(x, seed, *, config, interpret, poison=False):
   t = c.RowTiling.of(x.shape, config.block_rows, config.block_cols)
   out_shape, out_specs = t.compressed_outputs(x.dtype)
   values, meta = c.pallas_call(
-      functools.partial(_mvue_kernel, br=t.br, bk=t.bc, groups=t.k // 4,
-                        eps=eps),
+      functools.partial(_mvue_kernel, br=t.br, bk=t.bc, groups=t.k // 4),
       out_shape=out_shape, grid=t.grid,
       in_specs=[t.in_spec(), pl.BlockSpec((1,), lambda i, j: (0,))],
       out_specs=out_specs, num_warps=config.num_warps,
@@ -159,8 +166,7 @@ def _mvue24(x, seed, *, eps, config, interpret, poison=False):
   return t.unpad_compressed(values, meta)
 
 
-def mvue24_compress(x: jax.Array, seed, *, eps: float = DEFAULT_EPS,
-                    interpret: bool = False,
+def mvue24_compress(x: jax.Array, seed, *, interpret: bool = False,
                     config: Mvue24Config | None = None):
   """Unbiased stochastic 2:4 estimate of x [..., K], compressed.
 
@@ -169,17 +175,15 @@ def mvue24_compress(x: jax.Array, seed, *, eps: float = DEFAULT_EPS,
       dY to [out, tokens] first for the dW = MVUE(dY^T) x use).
     seed: uint32 scalar (python int or array; `seed_from_key(key)` converts
       a PRNG key). Same seed -> same draws, whatever the tiles.
-    eps: a_i = |x_i| + eps.
   Returns:
     (values [..., K/2] in x's dtype, meta [..., ceil(K/32)] uint32);
     `decompress24` gives the dense estimate, E[dense] = x.
   """
   c.check_float_groups("x", x)
-  return _mvue24(x, seed, eps=float(eps), config=config or Mvue24Config(),
-                 interpret=interpret)
+  return _mvue24(x, seed, config=config or Mvue24Config(), interpret=interpret)
 
 
-def mvue24_reference(x: jax.Array, seed, *, eps: float = DEFAULT_EPS):
+def mvue24_reference(x: jax.Array, seed):
   """Plain-jnp reference with the identical counter-based draws."""
   c.check_float_groups("x", x)
   k = x.shape[-1]
@@ -193,10 +197,16 @@ def mvue24_reference(x: jax.Array, seed, *, eps: float = DEFAULT_EPS):
   sh = seed_hash(seed)
   u1 = _uniform(sh, counter)
   u2 = _uniform(sh, counter + jnp.uint32(1))
-  i0, i1, v0, v1 = _mvue_group(parts, u1, u2, eps)
+  i0, i1, v0, v1 = _mvue_group(parts, u1, u2)
   values = c.interleave([v0.astype(x.dtype), v1.astype(x.dtype)])
   return values, c.pack_meta_rows(c.nibble(i0, i1))
 
 
-def mvue24_dense_reference(x: jax.Array, seed, *, eps: float = DEFAULT_EPS):
-  return c.decompress(*mvue24_reference(x, seed, eps=eps))
+def mvue24_dense_reference(x: jax.Array, seed):
+  return c.decompress(*mvue24_reference(x, seed))
+
+
+if __name__ == "__main__":   # python -m kernels.mvue24: this family's rows of kernels.bench
+  import sys   # pylint: disable=g-import-not-at-top
+  from kernels import bench   # pylint: disable=g-import-not-at-top
+  sys.exit(bench.main(["--only", "mvue24", *sys.argv[1:]]))

@@ -211,3 +211,9 @@ def soft_compress24_reference(w: jax.Array, beta=1.0):
   parts = c.split_positions(soft_threshold24_reference(w, beta))
   i0, i1, v0, v1 = c.slots_from_selection(keep, parts)
   return c.interleave([v0, v1]), c.pack_meta_rows(c.nibble(i0, i1))
+
+
+if __name__ == "__main__":   # python -m kernels.sparsify24: this family's rows of kernels.bench
+  import sys   # pylint: disable=g-import-not-at-top
+  from kernels import bench   # pylint: disable=g-import-not-at-top
+  sys.exit(bench.main(["--only", "sparsify24", *sys.argv[1:]]))

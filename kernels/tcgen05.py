@@ -397,3 +397,9 @@ def compile_check_cases(gpu: str, widths, tokens):
 __all__ = ["NotBlackwellError", "Tcgen05Config", "check_device", "data_grad", "forward",
            "kernel_key", "metadata_pairs", "prepare_operands", "reference", "smem_bytes",
            "sparse_matmul", "tcgen05_metadata", "weight_grad"]
+
+
+if __name__ == "__main__":   # python -m kernels.tcgen05: this family's rows of kernels.bench
+  import sys   # pylint: disable=g-import-not-at-top
+  from kernels import bench   # pylint: disable=g-import-not-at-top
+  sys.exit(bench.main(["--only", "tcgen05", *sys.argv[1:]]))

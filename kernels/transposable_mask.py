@@ -225,3 +225,9 @@ def transposable_compressed_reference(w: jax.Array):
   mask = transposable_mask_reference(w)
   return (mask, compress24_reference(w, mask),
           compress24_reference(w.T, mask.T))
+
+
+if __name__ == "__main__":   # python -m kernels.transposable_mask: this family's rows of kernels.bench
+  import sys   # pylint: disable=g-import-not-at-top
+  from kernels import bench   # pylint: disable=g-import-not-at-top
+  sys.exit(bench.main(["--only", "transposable", *sys.argv[1:]]))

@@ -289,3 +289,9 @@ def venom_matmul_reference(values, meta, cols, w2, *, v: int, m: int):
   prec = lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
   return jnp.dot(x, w2.T, precision=prec,
                  preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+if __name__ == "__main__":   # python -m kernels.venom: this family's rows of kernels.bench
+  import sys   # pylint: disable=g-import-not-at-top
+  from kernels import bench   # pylint: disable=g-import-not-at-top
+  sys.exit(bench.main(["--only", "venom", *sys.argv[1:]]))

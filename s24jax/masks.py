@@ -166,14 +166,14 @@ def transposable_kept_ratio(w: jax.Array) -> jax.Array:
 # `tiny` (smallest normal float32) only matters for all-zero or denormal groups, where it
 # makes the draw uniform (p_i = 1/2) instead of 0/0.
 MVUE_REL_EPS = 1e-6
-_TINY = float(np.finfo(np.float32).tiny)
+MVUE_TINY = float(np.finfo(np.float32).tiny)
 
 
 def _mvue24_weights(x: jax.Array) -> jax.Array:
   """a_i = |x_i| + eps per group of four, float32, shape (..., K/4, 4)."""
   check_groupable(x, 4)
   g = jnp.abs(x.astype(jnp.float32)).reshape(*x.shape[:-1], x.shape[-1] // 4, 4)  # (..., K/4, 4)
-  eps = MVUE_REL_EPS * jnp.max(g, axis=-1, keepdims=True) + _TINY  # (..., K/4, 1)
+  eps = MVUE_REL_EPS * jnp.max(g, axis=-1, keepdims=True) + MVUE_TINY  # (..., K/4, 1)
   return g + eps                                                  # (..., K/4, 4)
 
 

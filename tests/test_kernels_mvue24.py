@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import kernels
+from s24jax import masks
 from kernels import _common as c
 from kernels import mvue24 as mv
 from kernels._testing import MODES, assert_lowers_to_triton
@@ -30,7 +31,7 @@ def _x(shape, dtype=jnp.float32, seed=0):
                                          ((2, 3, 100), jnp.float32)])
 def test_same_draws_as_reference(interpret, shape, dtype):
   x = _x(shape, dtype)
-  values, meta = mv._mvue24(x, 1234, eps=mv.DEFAULT_EPS, config=CFG,
+  values, meta = mv._mvue24(x, 1234, config=CFG,
                             interpret=interpret, poison=True)
   rv, rm = REF(x, 1234)
   assert values.shape == rv.shape and values.dtype == dtype
@@ -66,8 +67,10 @@ def test_draws_do_not_depend_on_tiles_or_api(interpret):
   assert not np.array_equal(np.asarray(other[1]), np.asarray(b[1]))
 
 
-def _np_inclusion(x, eps):
-  a = np.abs(np.asarray(x, np.float64)) + eps
+def _np_inclusion(x):
+  """The project's one rule: a_i = |x_i| + 1e-6 max_j |x_j| + tiny (masks.MVUE_REL_EPS)."""
+  ax = np.abs(np.asarray(x, np.float64))
+  a = ax + masks.MVUE_REL_EPS * ax.max() + masks.MVUE_TINY
   s = a.sum()
   return np.array([a[i] / s + sum(a[j] / s * a[i] / (s - a[j])
                                   for j in range(4) if j != i)
@@ -88,12 +91,31 @@ def test_reference_is_unbiased_with_the_right_inclusion_probabilities():
   assert (est[:, xf == 0] == 0).all()
   kept = (est != 0).mean(0)
   for g in range(3):
-    p = _np_inclusion(xf[4 * g:4 * g + 4], mv.DEFAULT_EPS)
+    p = _np_inclusion(xf[4 * g:4 * g + 4])
     nz = xf[4 * g:4 * g + 4] != 0
     np.testing.assert_allclose(kept[4 * g:4 * g + 4][nz], p[nz], atol=0.006)
   # Exactly two kept per group on every draw (zeros may be among them).
   counts = (np.abs(est.reshape(n, 3, 4)) > 0).sum(-1)
   assert counts.max() <= 2
+
+
+def test_kernel_and_masks_follow_one_epsilon_rule():
+  """Every kept value is x_i / p_i: its implied p_i must be masks.mvue24_inclusion_prob's (and
+  the NumPy rule's), on random groups, tied groups, groups with zeros and tiny groups, where
+  a different epsilon rule (absolute vs relative) would show."""
+  rng = np.random.default_rng(0)
+  x = np.concatenate([rng.standard_normal(64), [1, 1, 1, 1, 2, 2, 0, 0, 1, 0, 0, 0],
+                      1e-30 * rng.standard_normal(8), [3e-20, 0, 0, 1e-20]]).astype(np.float32)
+  x = jnp.asarray(x.reshape(1, -1))
+  want = np.asarray(masks.mvue24_inclusion_prob(x), np.float64)[0]
+  np.testing.assert_allclose(
+      want, np.concatenate([_np_inclusion(g) for g in np.asarray(x[0]).reshape(-1, 4)]),
+      rtol=1e-5)
+  for seed in range(4):
+    dense = np.asarray(mv.mvue24_dense_reference(x, seed), np.float64)[0]
+    xf = np.asarray(x[0], np.float64)
+    kept = (dense != 0) & (xf != 0)
+    np.testing.assert_allclose(xf[kept] / dense[kept], want[kept], rtol=1e-5)
 
 
 def test_uniforms_are_uniform():

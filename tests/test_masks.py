@@ -168,7 +168,7 @@ def test_transposable_kept_ratio():
 
 def _inclusion_np(x: np.ndarray) -> np.ndarray:
   """Enumerate the 12 ordered draws (i, j) of one group and add up their probabilities."""
-  a = np.abs(x.astype(np.float64)) + masks.MVUE_REL_EPS * np.abs(x).max() + masks._TINY
+  a = np.abs(x.astype(np.float64)) + masks.MVUE_REL_EPS * np.abs(x).max() + masks.MVUE_TINY
   s = a.sum()
   p = np.zeros(4)
   for i, j in itertools.permutations(range(4), 2):
