@@ -16,7 +16,8 @@ compiles the real `train.train_step`, sharded over `--devices` compile-only GPUs
     rematerialized to squeeze under the real limit (`xla_rematerialized`), so the real
     memory need is the larger figure and the step would run slower than planned;
   - the micro-batch (sequences per device per micro-batch), the accumulation steps and the
-    global batch in tokens; FLOPs per optimizer step from the unoptimized HLO;
+    global batch in tokens; model FLOPs per optimizer step, from the unoptimized HLO of the
+    same step unrolled (`Planner.model_flops`: cost analysis counts a loop body once);
   - the largest micro-batch per device that fits (compiled against the 16x copy, so XLA's
     rematerialization cannot hide the need) and the accumulation that keeps the global batch.
 
@@ -135,9 +136,30 @@ class Planner:
           accum_steps=accum, partitioner=partitioner).lower(lowering_platforms=("cuda",))
       compiled = lowered.compile()
     result = Compiled(micro, accum, aot.memory_report(compiled), time.time() - start,
-                      aot.flops(lowered) if with_flops else None)
+                      self.model_flops(micro, partitioner) * accum if with_flops else None)
     self._cache[key] = result
     return result
+
+  def model_flops(self, micro: int, partitioner) -> float:
+    """FLOPs of one micro-batch's forward + backward + update, from the unoptimized HLO of
+    the same step unrolled: XLA's cost analysis counts a loop body once, so the scanned
+    blocks, the accumulation scan and the chunked loss would be undercounted; remat's
+    recomputation is left out (model FLOPs, not executed FLOPs). Lowered only, not compiled."""
+    jax = self.jax
+    from s24jax import model as model_lib   # pylint: disable=g-import-not-at-top
+    cfg = dataclasses.replace(self.model_cfg, scan_layers=False, remat="none", loss_chunk=0)
+    model = model_lib.GPT2(cfg)
+    abstract_state = jax.eval_shape(lambda: self.train.init_state(model, self.tx_fn, 0))
+    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                         abstract_state, partitioner.state_shardings(abstract_state))
+    tokens = jax.ShapeDtypeStruct((micro * self.data_parallel, self.config.model.seq_len),
+                                  jax.numpy.int32, sharding=partitioner.batch)
+    with jax.default_device(self._topologies[1].devices[0]):
+      lowered = self.train.train_step.trace(
+          state, {"inputs": tokens, "targets": tokens}, model=model,
+          tx=self.tx_fn(abstract_state.params, abstract_state.sparsity), accum_steps=1,
+          partitioner=partitioner).lower(lowering_platforms=("cuda",))
+    return aot.flops(lowered)
 
   def micro_candidates(self) -> list[int]:
     """Micro-batches per device that split the global batch evenly, smallest first."""
