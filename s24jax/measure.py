@@ -6,7 +6,7 @@
   only a sparse dW GEMM turns that into speed (docs/kernels.md); otherwise it adds an
   estimator and its noise. Once, at the first log step, the forward/backward of the step's
   batch is timed with MVUE on and off (the same model and state, compiled once each, best of
-  a few repetitions): `perf/mvue_seconds` (the difference per step) and
+  five interleaved repetitions, medians): `perf/mvue_seconds` (the difference per step) and
   `perf/mvue_time_share` (that difference over the forward/backward time with MVUE on).
   Not charged to tokens/s.
 """
@@ -20,7 +20,7 @@ import jax
 from s24jax import act_sparsity
 from s24jax import hooks as hooks_lib
 
-MVUE_REPEATS = 3
+MVUE_REPEATS = 5
 
 
 def hooks(config) -> list[hooks_lib.Hook]:
@@ -36,20 +36,21 @@ def mvue_cost_hooks(config) -> list[hooks_lib.Hook]:
     from s24jax import train   # pylint: disable=g-import-not-at-top
     if not run.model_cfg.sparsity.method.sparse:
       return
-    seconds = {}
-    for mvue in (True, False):
-      cfg = dataclasses.replace(run.model_cfg,
-                                sparsity=dataclasses.replace(run.model_cfg.sparsity, mvue=mvue))
-      fn = jax.jit(train.loss_and_grads, static_argnames=("model", "accum_steps"))
-      args = (run.state.params, run.state.sparsity, run.batch, jax.random.key(0))
-      kwargs = {"model": model_lib.GPT2(cfg), "accum_steps": int(config.grad_accum_steps)}
-      jax.block_until_ready(fn(*args, **kwargs))   # compile
-      best = float("inf")
-      for _ in range(MVUE_REPEATS):
+    fn = jax.jit(train.loss_and_grads, static_argnames=("model", "accum_steps"))
+    args = (run.state.params, run.state.sparsity, run.batch, jax.random.key(0))
+    models = {mvue: model_lib.GPT2(dataclasses.replace(
+        run.model_cfg, sparsity=dataclasses.replace(run.model_cfg.sparsity, mvue=mvue)))
+              for mvue in (True, False)}
+    accum = int(config.grad_accum_steps)
+    for model in models.values():   # compile both first
+      jax.block_until_ready(fn(*args, model=model, accum_steps=accum))
+    times = {True: [], False: []}
+    for _ in range(MVUE_REPEATS):   # interleaved, so a load change hits both alike
+      for mvue, model in models.items():
         start = time.perf_counter()
-        jax.block_until_ready(fn(*args, **kwargs))
-        best = min(best, time.perf_counter() - start)
-      seconds[mvue] = best
+        jax.block_until_ready(fn(*args, model=model, accum_steps=accum))
+        times[mvue].append(time.perf_counter() - start)
+    seconds = {mvue: sorted(t)[len(t) // 2] for mvue, t in times.items()}   # medians
     extra = seconds[True] - seconds[False]
     run.write(run.step, {"perf/mvue_seconds": extra,
                          "perf/mvue_time_share": extra / seconds[True]})
