@@ -5,8 +5,8 @@
 - MVUE's cost (`sparsity.mvue`): MVUE exists to make the weight-gradient GEMM 2:4 sparse, but
   only a sparse dW GEMM turns that into speed (docs/kernels.md); otherwise it adds an
   estimator and its noise. Once, at the first log step, the forward/backward of the step's
-  batch is timed with MVUE on and off (the same model and state, compiled once each, best of
-  five interleaved repetitions, medians): `perf/mvue_seconds` (the difference per step) and
+  batch is timed with MVUE on and off (the same model and state, compiled once each, the
+  median of five interleaved repetitions): `perf/mvue_seconds` (the difference per step) and
   `perf/mvue_time_share` (that difference over the forward/backward time with MVUE on).
   Not charged to tokens/s.
 """
