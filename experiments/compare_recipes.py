@@ -87,20 +87,28 @@ def _pm(xs, fmt="{:.3f}") -> str:
 
 
 def table(root: str, corpus: str, names, seeds) -> str:
-  rows = {n: [summary(os.path.join(root, corpus, f"{n}_seed{s}"), *RECIPES[n]) for s in seeds]
-          for n in names}
-  lines = [f"**{corpus}** ({len(seeds)} seeds: {', '.join(map(str, seeds))})", "",
-           "| run | val loss | vs baseline | baseline | jump at dense switch | MVUE time share |",
-           "|---|---|---|---|---|---|"]
+  """Mean ± sd over the finished seeds of each run (the n column says how many)."""
+  def finished(n, s):
+    return os.path.exists(os.path.join(root, corpus, f"{n}_seed{s}", "final_metrics.json"))
+  rows = {n: {s: summary(os.path.join(root, corpus, f"{n}_seed{s}"), *RECIPES[n])
+              for s in seeds if finished(n, s)} for n in names}
+  lines = [f"**{corpus}**", "",
+           "| run | n | val loss | vs baseline (paired by seed) | baseline | "
+           "jump at dense switch | MVUE time share |",
+           "|---|---|---|---|---|---|---|"]
   for n in names:
+    if not rows[n]:
+      continue
     base = BASELINE.get(n, "dense")
     gap = "-"
-    if base and base in rows:
-      gaps = [100 * (r["val"] / b["val"] - 1) for r, b in zip(rows[n], rows[base])]
-      gap = _pm(gaps, "{:+.2f}") + " %"
-    lines.append(f"| {n} | {_pm([r['val'] for r in rows[n]])} | {gap} | {base or '-'} | "
-                 f"{_pm([r.get('jump') for r in rows[n]])} | "
-                 f"{_pm([r.get('mvue_share') for r in rows[n]], '{:.2f}')} |")
+    if base and base in rows and base != n:
+      gaps = [100 * (r["val"] / rows[base][s]["val"] - 1) for s, r in rows[n].items()
+              if s in rows[base]]
+      gap = _pm(gaps, "{:+.2f}") + " %" if gaps else "-"
+    vals = list(rows[n].values())
+    lines.append(f"| {n} | {len(vals)} | {_pm([r['val'] for r in vals])} | {gap} | "
+                 f"{base or '-'} | {_pm([r.get('jump') for r in vals])} | "
+                 f"{_pm([r.get('mvue_share') for r in vals], '{:.2f}')} |")
   return "\n".join(lines)
 
 
