@@ -78,23 +78,22 @@ def test_mvue_draws_an_independent_key_per_micro_batch():
   micro-batch i (rows i, i+k, ...) drawn with fold_in(key, i): computed independently."""
   cfg, model, _, state, batch = _setup("s_ste", sparsity__mvue=True, sparsity__fp8=False)
   key = jax.random.key(7)
-  total, grads = train.loss_and_grads(state.params, state.sparsity, batch, key, model=model,
-                                      accum_steps=2)
+  grads_fn = jax.jit(train.loss_and_grads, static_argnames=("model", "accum_steps"))
+  total, grads = grads_fn(state.params, state.sparsity, batch, key, model=model, accum_steps=2)
   tokens = batch["targets"].size
+  one = jax.jit(jax.value_and_grad(lambda p, inputs, targets, k: model.apply(
+      {"params": p, "sparsity": state.sparsity}, inputs, targets, rngs={"sparsity": k}) / tokens))
   want_loss, want = 0.0, None
   for i in range(2):
-    micro = {k: v[i::2] for k, v in batch.items()}
-    f = lambda p, micro=micro, i=i: model.apply(
-        {"params": p, "sparsity": state.sparsity}, micro["inputs"], micro["targets"],
-        rngs={"sparsity": jax.random.fold_in(key, i)}) / tokens
-    loss, g = jax.value_and_grad(f)(state.params)
+    loss, g = one(state.params, batch["inputs"][i::2], batch["targets"][i::2],
+                  jax.random.fold_in(key, i))
     want_loss += float(loss) * tokens
     want = g if want is None else jax.tree.map(jnp.add, want, g)
   np.testing.assert_allclose(float(total), want_loss, rtol=1e-5)
   for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want)):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
   # and the keys matter: the same key for both micro-batches gives another gradient
-  _, same = train.loss_and_grads(state.params, state.sparsity, batch, key, model=model)
+  _, same = grads_fn(state.params, state.sparsity, batch, key, model=model, accum_steps=1)
   fc = lambda g: state_lib.get_path(g, ("h_0", "mlp", "fc"))["kernel"]   # pylint: disable=unnecessary-lambda-assignment
   assert not np.allclose(fc(grads), fc(same))
 
@@ -276,7 +275,8 @@ def test_scanned_blocks_equal_the_unrolled_model():
   assert jax.tree.map(lambda x: x.shape, vs) == jax.tree.map(lambda x: x.shape, dict(shapes))
   f_u = lambda p: unrolled.apply({**v, "params": p}, tokens, targets)   # pylint: disable=unnecessary-lambda-assignment
   f_s = lambda p: scanned.apply({**vs, "params": p}, tokens, targets)   # pylint: disable=unnecessary-lambda-assignment
-  (lu, gu), (ls, gs) = jax.value_and_grad(f_u)(v["params"]), jax.value_and_grad(f_s)(vs["params"])
+  (lu, gu) = jax.jit(jax.value_and_grad(f_u))(v["params"])
+  (ls, gs) = jax.jit(jax.value_and_grad(f_s))(vs["params"])
   np.testing.assert_allclose(float(ls), float(lu), rtol=1e-6)
   for a, b in zip(jax.tree.leaves(gs), jax.tree.leaves(stack(gu))):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
