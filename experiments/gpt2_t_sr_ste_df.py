@@ -14,10 +14,12 @@ What it sets (the paper's hyper-parameters; the rest is the GPT-2 recipe of base
   (methods.sr_ste.PAPER_DECAY);
 - dense fine-tuning for the last 1/6 of the steps (GPT-2: from 250k of 300k).
 
-Expected: val loss well below the unigram entropy; the flip rate (logged at refreshes, as
-changed entries / 40 per step) decays; `train/transposable_kept_ratio` (the |W| the
-transposable mask keeps relative to the row-wise 2:4 mask) and `train/sparsity/decay`
-(lambda_W) are logged. Measured: README, "Hu et al. 2024" (experiments/compare_hu2024.py).
+Expected: val loss well below the unigram entropy; the flip rate (per step, of the plain 2:4
+mask of the latent W) decays; `train/mask_refresh/changed` (the cached mask's change at a
+refresh), `train/mask_refresh/refreshed` (its log average: the refresh rate),
+`train/transposable_kept_ratio` (the |W| the transposable mask keeps relative to the row-wise
+2:4 mask) and `train/sparsity/decay` (lambda_W) are logged. Measured: README, "Tiny comparisons
+over seeds" (experiments/compare_recipes.py) and "Hu et al. 2024" (experiments/compare_hu2024.py).
 """
 from s24jax.config import apply_variant, base_config
 from s24jax.methods import sr_ste
