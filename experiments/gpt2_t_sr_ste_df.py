@@ -1,7 +1,8 @@
 """Hu et al. 2024, the full recipe: every FFN GEMM 2:4 sparse, then dense fine-tuning.
 
   python launch.py --config experiments/gpt2_t_sr_ste_df.py:tiny --workdir runs/t_sr_ste_df_tiny
-  # lambda_W chosen automatically during warm-up instead of the paper's value:
+  # lambda_W chosen automatically during warm-up instead of the paper's value (on tiny the
+  # flip rate does not respond to lambda_W and the controller runs away; it warns: README):
   python launch.py --config experiments/gpt2_t_sr_ste_df.py:tiny \\
       --config.sparsity.t_sr_ste.decay=0 --config.sparsity.t_sr_ste.decay_auto=True
 

@@ -9,6 +9,7 @@ the code under test.
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import flax
 import jax
@@ -318,6 +319,40 @@ def test_decay_controller_on_synthetic_flip_rates():
   assert len(set(got[o + 31:o + 38])) == 1                     # back in the band: hold
   assert set(got[o + 38:]) == {got[o + 37]}                    # frozen, even when exploding
   assert int(ctrl["count"]) == 6 + 20 + 9
+
+
+def test_controller_warns_when_the_flip_rate_never_reaches_the_band(monkeypatch):
+  """At the freeze the hook says so (warning + sparsity/decay_band_reached = 0) when lambda_W
+  rose at every controller step, and stays quiet when it ever held or fell."""
+  cfg = dataclasses.replace(methods.get_method("t_sr_ste"), name="t_sr_ste", decay_auto=True,
+                            decay_auto_init=1e-4, decay_auto_target=1e-2, decay_auto_rate=1.5,
+                            decay_auto_steps=20)   # adapts during steps [10, 20)
+  update = jax.jit(cfg.control)
+
+  def freeze(rates):
+    ctrl = cfg.init_state()
+    for step, r in enumerate(rates):
+      ctrl = update(ctrl, jnp.float32(r), jnp.int32(step))
+    warnings, written = [], {}
+    monkeypatch.setattr(sr_ste.logging, "warning", lambda *a: warnings.append(a))
+    run = types.SimpleNamespace(state=types.SimpleNamespace(sparsity={"t_sr_ste": ctrl}),
+                                step=20, write=lambda step, m: written.update(m))
+    cfg._log_chosen_decay(run)   # pylint: disable=protected-access
+    return ctrl, warnings, written
+
+  ctrl, warnings, written = freeze([0.5] * 20)          # 50x the target throughout: up, up, ...
+  assert float(ctrl["decay"]) == pytest.approx(1e-4 * 1.5 ** 10, rel=1e-5)
+  assert len(warnings) == 1 and written["sparsity/decay_band_reached"] == 0.0
+  assert written["sparsity/decay_chosen"] == pytest.approx(1e-4 * 1.5 ** 10, rel=1e-5)
+  # One step inside the band (after the EMA has come down) is enough to count as reached.
+  ctrl, warnings, written = freeze([0.5] * 10 + [0.01] * 9 + [0.5])
+  assert float(ctrl["decay"]) < 1e-4 * 1.5 ** 9
+  assert not warnings and written["sparsity/decay_band_reached"] == 1.0
+  # Capped at MAX_DECAY: stuck too, whatever the count.
+  capped = {"decay": jnp.float32(sr_ste.MAX_DECAY), "count": jnp.int32(500),
+            "flip_ema": jnp.float32(0.5)}
+  assert cfg.never_in_band(capped)
+  assert not cfg.never_in_band(cfg.init_state())        # never acted: nothing to say
 
 
 def test_decay_controller_wired_into_training_and_frozen_after_warmup():

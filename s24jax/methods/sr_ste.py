@@ -12,6 +12,7 @@ docs/algorithms.md, "SR-STE" and "Choosing lambda_W in warm-up", describe the ru
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import flax
@@ -217,11 +218,35 @@ class SRSTE(base.Method):
                                   due=lambda step: step == self.decay_auto_steps))
     return hooks
 
+  def never_in_band(self, ctrl: dict[str, Any]) -> bool:
+    """True if the controller raised lambda_W at every step it acted (or hit MAX_DECAY): the
+    smoothed flip rate never came down to the band. Any step that held or lowered lambda_W
+    takes at least one factor of `rate` off log(lambda / init) / log(rate) = count."""
+    count, chosen = int(ctrl["count"]), float(ctrl["decay"])
+    if count == 0:
+      return False
+    raised = math.log(chosen / self.decay_auto_init) / math.log(self.decay_auto_rate)
+    return chosen >= MAX_DECAY * (1 - 1e-6) or raised > count - 0.5
+
   def _log_chosen_decay(self, run) -> None:
-    chosen = float(run.state.sparsity[self.name]["decay"])
+    ctrl = run.state.sparsity[self.name]
+    chosen = float(ctrl["decay"])
     logging.info("step %d: end of the lambda_W warm-up controller; lambda_W frozen at %.4g",
                  run.step, chosen)
-    run.write(run.step, {"sparsity/decay_chosen": chosen})
+    stuck = self.never_in_band(ctrl)
+    if stuck:
+      # Seen on the tiny Hu et al. recipe (README, "Hu et al. 2024"): with the decay fed into
+      # Adam, a larger lambda_W stops lowering the flip rate, and the controller runs away.
+      logging.warning(
+          "lambda_W rose at every one of the controller's %d steps (%.3g -> %.3g): the "
+          "smoothed flip rate never came down to %.3g x %.3g. Past some value lambda_W no "
+          "longer lowers it (Adam normalises the decayed gradient), so this lambda_W is likely "
+          "far larger than needed; consider a fixed sparsity.%s.decay (the paper's: %s) or a "
+          "decay_auto_target nearer this run's flip rate.", int(ctrl["count"]),
+          self.decay_auto_init, chosen, self.decay_auto_target, self.decay_auto_band,
+          self.name, ", ".join(f"{k}: {v:g}" for k, v in PAPER_DECAY.items()))
+    run.write(run.step, {"sparsity/decay_chosen": chosen,
+                         "sparsity/decay_band_reached": float(not stuck)})
 
 
 base.register_method("sr_ste", SRSTE())
