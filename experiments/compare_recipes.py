@@ -20,6 +20,7 @@ Runs:
   hu2024                         the Hu et al. recipe as configured (gpt2_t_sr_ste_df.py)
   hu2024_refresh40               ... with the paper's fixed 40-step mask refresh
   hu2024_projected               ... with dense fine-tuning from W~ instead of the latent W
+  hu2024_no_mvue                 ... with the exact weight gradient
   venom                          Haziza et al. (experiments/gpt2_venom.py)
 Measured tables: README ("Tiny comparisons over seeds").
 """
@@ -48,6 +49,7 @@ RECIPES = {
     "hu2024": (T.format("t_sr_ste_df"), {}),
     "hu2024_refresh40": (T.format("t_sr_ste_df"), {"sparsity.t_sr_ste.mask_refresh_drift": 0.0}),
     "hu2024_projected": (T.format("t_sr_ste_df"), {"sparsity.dense_finetune_init": "projected"}),
+    "hu2024_no_mvue": (T.format("t_sr_ste_df"), {"sparsity.mvue": False}),
     "venom": (T.format("venom"), {"act_sparsity.stats_sequences": 0}),
 }
 BASELINE = {"relu2_dense": None, "venom": "relu2_dense"}   # default: against 'dense'
