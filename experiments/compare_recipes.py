@@ -85,7 +85,9 @@ def _pm(xs, fmt="{:.3f}") -> str:
   xs = [x for x in xs if x is not None]
   if not xs:
     return "-"
-  return (fmt + " ± " + fmt).format(np.mean(xs), np.std(xs, ddof=1) if len(xs) > 1 else 0.0)
+  if len(xs) == 1:
+    return fmt.format(xs[0])
+  return fmt.format(np.mean(xs)) + " ± " + fmt.replace("+", "").format(np.std(xs, ddof=1))
 
 
 def table(root: str, corpus: str, names, seeds) -> str:
