@@ -344,7 +344,7 @@ def test_controller_warns_when_the_flip_rate_never_reaches_the_band(monkeypatch)
   assert float(ctrl["decay"]) == pytest.approx(1e-4 * 1.5 ** 10, rel=1e-5)
   assert len(warnings) == 1 and written["sparsity/decay_band_reached"] == 0.0
   assert written["sparsity/decay_chosen"] == pytest.approx(1e-4 * 1.5 ** 10, rel=1e-5)
-  # One step inside the band (after the EMA has come down) is enough to count as reached.
+  # Steps whose smoothed rate is inside the band hold lambda_W: the band counts as reached.
   ctrl, warnings, written = freeze([0.5] * 10 + [0.01] * 9 + [0.5])
   assert float(ctrl["decay"]) < 1e-4 * 1.5 ** 9
   assert not warnings and written["sparsity/decay_band_reached"] == 1.0
