@@ -9,7 +9,7 @@ Tests marked `@pytest.mark.gpu` need a GPU backend (the kernels' native twins); 
 skipped when jax's default backend is not a GPU. Tests marked `@pytest.mark.aot` compile for a
 GPU without one (kernels.compile_check); they are skipped without the CUDA compile plugin.
 """
-from s24jax import aot
+from s24jax.kernels import aot
 
 aot.cpu_unless_gpu()   # before jax starts a backend (this module imports jax next)
 

@@ -72,7 +72,7 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   workdir = _WORKDIR.value or default_workdir(config_flags.get_config_filename(flags.FLAGS["config"]))
   log_path = _route_logs(workdir, _PROCESS_ID.value or 0)
-  from s24jax import aot  # pylint: disable=g-import-not-at-top
+  from s24jax.kernels import aot  # pylint: disable=g-import-not-at-top
   aot.cpu_unless_gpu()   # no CUDA start-up noise where the optional compile plugin sits idle
   import jax  # pylint: disable=g-import-not-at-top
   if _DISTRIBUTED.value:

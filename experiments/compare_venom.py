@@ -37,7 +37,7 @@ STATS = {"act_sparsity.stats_sequences": 16}
 RUNS = [
     compare.Run("gelu_dense", "experiments/gpt2_dense.py:tiny", dict(STATS)),
     compare.Run("relu2_dense", "experiments/gpt2_relu2_dense.py:tiny", dict(STATS)),
-    compare.Run("relu2_act_vnm", VENOM, {**STATS, "sparsity.projection": "dense"}),
+    compare.Run("relu2_act_vnm", VENOM, {**STATS, "sparsity.method": "dense"}),
     compare.Run("relu2_w24", VENOM, {**STATS, "act_sparsity.kind": "none"}),
     compare.Run("venom_recipe", VENOM, dict(STATS)),
 ]

@@ -11,5 +11,5 @@ from s24jax.config import apply_variant, base_config
 
 def get_config(variant=None):
   config = base_config()
-  config.sparsity.projection = "dense"
+  config.sparsity.method = "dense"
   return apply_variant(config, variant)

@@ -28,7 +28,7 @@ from s24jax.config import apply_variant, base_config
 
 def get_config(variant=None):
   config = base_config()
-  config.sparsity.projection = "mst"
+  config.sparsity.method = "mst"
   # The reference's sparse set: every linear layer and the tied LM head / token embedding.
   config.sparsity.sparse_layers = ("*/attn/*", "*/mlp/*", "wte")
   config.sparsity.mst.sparse_attention = "strided"

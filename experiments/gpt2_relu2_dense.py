@@ -16,7 +16,7 @@ from s24jax.config import apply_variant, base_config
 def get_config(variant=None):
   config = base_config()
   config.model.activation = "relu2"
-  config.sparsity.projection = "dense"
+  config.sparsity.method = "dense"
   config = apply_variant(config, variant)
   config.act_sparsity.stats_sequences = 16 if variant == "tiny" else 8
   return config

@@ -27,7 +27,7 @@ from s24jax.config import apply_variant, base_config
 
 def get_config(variant=None):
   config = base_config()
-  config.sparsity.projection = "s_ste"
+  config.sparsity.method = "s_ste"
   config.sparsity.s_ste.rescale_every = 0   # beta fixed at init
   config.sparsity.mvue = True               # MVUE 2:4 dY^T for the weight gradient
   config.sparsity.fp8 = True                # FP8 sparse-layer GEMMs

@@ -15,7 +15,7 @@ from s24jax.methods import sr_ste
 
 def get_config(variant=None):
   config = base_config()
-  config.sparsity.projection = "sr_ste"
+  config.sparsity.method = "sr_ste"
   config.sparsity.sr_ste.decay = sr_ste.PAPER_DECAY.get(variant, sr_ste.PAPER_DECAY["124m"])
   config.sparsity.sr_ste.decay_placement = "gradients"
   return apply_variant(config, variant)

@@ -10,5 +10,5 @@ from s24jax.config import apply_variant, base_config
 
 def get_config(variant=None):
   config = base_config()
-  config.sparsity.projection = "ste"
+  config.sparsity.method = "ste"
   return apply_variant(config, variant)

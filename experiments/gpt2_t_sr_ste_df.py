@@ -28,7 +28,7 @@ from s24jax.methods import sr_ste
 
 def get_config(variant=None):
   config = base_config()
-  config.sparsity.projection = "t_sr_ste"
+  config.sparsity.method = "t_sr_ste"
   config.sparsity.sparse_layers = ("*/mlp/*",)   # FFN sparse, attention dense (the paper)
   config.sparsity.mvue = True
   config.sparsity.dense_finetune_fraction = 1 / 6

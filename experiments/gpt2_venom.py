@@ -4,7 +4,7 @@ sparse then dense.
   python launch.py --config experiments/gpt2_venom.py:tiny --workdir runs/venom_tiny
   python launch.py --config experiments/gpt2_venom.py:124m --workdir runs/venom_124m
   # activations only (dense weights):
-  python launch.py --config experiments/gpt2_venom.py:tiny --config.sparsity.projection=dense
+  python launch.py --config experiments/gpt2_venom.py:tiny --config.sparsity.method=dense
 
 The FFN is relu(x W1~^T)^2 W2~^T with both FFN weights 2:4 soft-thresholded (S-STE, fixed
 scale) and the hidden activations that feed the second matmul made V:N:M sparse
@@ -26,7 +26,7 @@ from s24jax.config import apply_variant, base_config
 def get_config(variant=None):
   config = base_config()
   config.model.activation = "relu2"
-  config.sparsity.projection = "s_ste"
+  config.sparsity.method = "s_ste"
   config.sparsity.sparse_layers = ("*/mlp/fc", "*/mlp/proj")
   config.act_sparsity.kind = "venom"
   config.act_sparsity.v = 64

@@ -19,30 +19,30 @@ the Triton kernels never load it: `kernels.tcgen05` (2:4 GEMMs on the sparse
 tensor cores). No module shares a name with a function, so every module is
 reachable as `kernels.<module>`.
 
-`python -m kernels.bench` times the kernels on a GPU;
-`python -m kernels.compile_check --gpu a100|h100|b200` compiles them for a GPU
+`python -m s24jax.kernels.bench` times the kernels on a GPU;
+`python -m s24jax.kernels.compile_check --gpu a100|h100|b200` compiles them for a GPU
 without one (docs/kernels.md).
 """
-from kernels._common import interpret_default
-from kernels.compressed_matmul import (PALLAS_MATMUL_MAX_TOKENS,
+from ._common import interpret_default
+from .compressed_matmul import (PALLAS_MATMUL_MAX_TOKENS,
                                        Sparse24MatmulConfig,
                                        should_use_pallas_matmul,
                                        sparse24_matmul, sparse24_matmul_dx,
                                        sparse24_matmul_reference)
-from kernels.gated_activation import (GatedActConfig, gated_act,
+from .gated_activation import (GatedActConfig, gated_act,
                                       gated_act_reference, geglu, swiglu)
-from kernels.mvue24 import (Mvue24Config, mvue24_compress,
+from .mvue24 import (Mvue24Config, mvue24_compress,
                             mvue24_dense_reference, mvue24_reference,
                             seed_from_key)
-from kernels.sparsify24 import (Sparsify24Config, compress24,
+from .sparsify24 import (Sparsify24Config, compress24,
                                 compress24_reference, decompress24,
                                 soft_compress24, soft_compress24_reference,
                                 soft_threshold24_reference)
-from kernels.transposable_mask import (TransposableMaskConfig,
+from .transposable_mask import (TransposableMaskConfig,
                                        transposable_compressed_reference,
                                        transposable_mask24,
                                        transposable_mask_reference)
-from kernels.venom import (VenomConfig, venom_compress, venom_decompress,
+from .venom import (VenomConfig, venom_compress, venom_decompress,
                            venom_matmul, venom_matmul_reference,
                            venom_reference)
 

@@ -6,7 +6,7 @@ thing, and a second copy would drift:
 * the 2:4 metadata format (one nibble per group of four, eight per uint32),
   with its pack/unpack helpers that run both inside a kernel and in plain jnp;
 * the "which two of four" selection with the project-wide tie rule (ties go to
-  the lower index, as in `s24jax.masks.nm_mask`);
+  the lower index, as in `s24jax.kernels.masks.nm_mask`);
 * a `pallas_call` builder that always passes Triton compiler params (on
   jax >= 0.11 a GPU `pallas_call` without them lowers through Mosaic GPU) and
   can poison the outputs (NaN / all-ones) through `input_output_aliases`, so a
@@ -237,7 +237,7 @@ def top2_of4(mags: Sequence[jax.Array]) -> list[jax.Array]:
 
   Entry j is kept when fewer than two entries beat it, where i beats j if
   |w_i| > |w_j|, or |w_i| == |w_j| and i < j (a stable ranking, identical to
-  `s24jax.masks.nm_mask`).
+  `s24jax.kernels.masks.nm_mask`).
   """
   return _two_smallest_ranks(
       lambda i, j: (mags[i] > mags[j]) if i > j else (mags[i] >= mags[j]))

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import pytest
 
-from kernels import _common as c
+from . import _common as c
 
 MODES = [
     pytest.param(True, id="interpret"),

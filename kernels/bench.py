@@ -1,4 +1,4 @@
-"""Benchmark every kernel against its XLA reference: `python -m kernels.bench`.
+"""Benchmark every kernel against its XLA reference: `python -m s24jax.kernels.bench`.
 
 Per kernel and shape (GPT-2 124M..1.5B FFN shapes: d in {768, 1024, 1280,
 1600}, hidden 4d; token counts 16..16384; bf16) it prints the median time of
@@ -9,7 +9,7 @@ means the kernel is faster), and the achieved bandwidth (GB/s) or FLOP rate
 A100, H100, B200; sources in kernels/BENCHMARKS.md).
 
 It refuses to run on CPU (interpret-mode timings are meaningless) unless
-asked for a smoke run: `python -m kernels.bench --interpret --small`.
+asked for a smoke run: `python -m s24jax.kernels.bench --interpret --small`.
 Options: --only name[,name] (sparsify24, transposable, mvue24, matmul,
 matmul_bwd, venom, gated, tcgen05 (Blackwell only)), --reps N, --json PATH (rows as JSON),
 --full (all d x all token counts; the default trims the sweep to fit one
@@ -26,13 +26,13 @@ import traceback
 import jax
 import jax.numpy as jnp
 
-from kernels import _common as c
-from kernels import compressed_matmul as sm
-from kernels import gated_activation as ga
-from kernels import mvue24 as mv
-from kernels import sparsify24 as sp
-from kernels import transposable_mask as tm
-from kernels import venom as vn
+from . import _common as c
+from . import compressed_matmul as sm
+from . import gated_activation as ga
+from . import mvue24 as mv
+from . import sparsify24 as sp
+from . import transposable_mask as tm
+from . import venom as vn
 
 # Datasheet peaks per GPU (dense bf16 tensor-core FLOP/s, HBM bytes/s); sources in
 # kernels/BENCHMARKS.md. pct_bw / pct_flops are against the running GPU's entry (the H100
@@ -193,7 +193,7 @@ def bench_gated(cases, dtype, interpret, reps):
 def bench_tcgen05(cases, dtype, interpret, reps):
   """The three 2:4 GEMMs of a layer on Blackwell's sparse tensor cores vs the dense
   XLA GEMM of the same shape (TFLOP/s dense-equivalent)."""
-  from kernels import tcgen05 as tc   # pylint: disable=g-import-not-at-top
+  from . import tcgen05 as tc   # pylint: disable=g-import-not-at-top
   try:
     tc.check_device()
   except tc.NotBlackwellError:
@@ -230,7 +230,7 @@ def _plan(small: bool, full: bool):
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(prog="python -m kernels.bench",
+  p = argparse.ArgumentParser(prog="python -m s24jax.kernels.bench",
                               description=__doc__.split("\n")[0])
   p.add_argument("--interpret", action="store_true",
                  help="run kernels in Pallas interpret mode (CPU smoke run)")
@@ -245,7 +245,7 @@ def main(argv=None) -> int:
     print(f"kernels.bench: no GPU backend (jax.default_backend() = "
           f"{jax.default_backend()!r}); timings are only meaningful on a GPU. "
           "Nothing to do. For a CPU smoke run: "
-          "python -m kernels.bench --interpret --small")
+          "python -m s24jax.kernels.bench --interpret --small")
     return 0
   if args.interpret and not args.small:
     print("kernels.bench: --interpret needs --small (interpret mode is slow).")

@@ -1,8 +1,8 @@
-"""Compile every kernel for a GPU, without one: `python -m kernels.compile_check --gpu h100`.
+"""Compile every kernel for a GPU, without one: `python -m s24jax.kernels.compile_check --gpu h100`.
 
 For one GPU (a100: sm_80, h100: sm_90a, b200: sm_100a) it compiles each kernel of this
 package, forward and (where it has one) backward, through XLA's own GPU compiler against the
-GPU's target config (s24jax/aot.py, s24jax/gpu_targets/) at the GPT-2 FFN shapes from 124M to
+GPU's target config (kernels/aot.py, kernels/gpu_targets/) at the GPT-2 FFN shapes from 124M to
 1.5B: d in {768, 1024, 1280, 1600}, hidden 4d, bf16, token counts 64..16384. Each Pallas
 kernel's PTX is assembled again by the plugin's ptxas with -v, and the check prints one row
 per kernel and shape: registers, shared memory (static + what the launch reserves), spill
@@ -80,10 +80,10 @@ def cases(gpu: str, widths, tokens) -> list[Case]:
   import jax   # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp   # pylint: disable=g-import-not-at-top
 
-  import kernels   # pylint: disable=g-import-not-at-top
-  from kernels import _common as c   # pylint: disable=g-import-not-at-top
-  from s24jax import aot   # pylint: disable=g-import-not-at-top
-  from s24jax.gpu_targets import target   # pylint: disable=g-import-not-at-top
+  from . import __init__ as kernels   # pylint: disable=g-import-not-at-top
+  from . import _common as c   # pylint: disable=g-import-not-at-top
+  from . import aot   # pylint: disable=g-import-not-at-top
+  from .gpu_targets import target   # pylint: disable=g-import-not-at-top
 
   arch = target(gpu).arch
   mma = _dense_mma(arch)
@@ -148,7 +148,7 @@ def cases(gpu: str, widths, tokens) -> list[Case]:
         add(f"{kind}_fwd_bwd", f"T{t} x{t}x{2 * h}", jax.value_and_grad(gated_loss),
             [S((t, 2 * h))], {f"{kind}_fwd": None, f"{kind}_bwd": None})
   if arch == "sm_100a":
-    from kernels import tcgen05   # pylint: disable=g-import-not-at-top
+    from . import tcgen05   # pylint: disable=g-import-not-at-top
     out += tcgen05.compile_check_cases(gpu, widths, tokens)
   return out
 
@@ -174,7 +174,7 @@ _SEEN: dict[tuple, tuple] = {}   # Case.key value -> (KernelResources, shape fir
 
 def run_case(case: Case, gpu: str, dump: pathlib.Path, pool) -> list[dict]:
   """Compiles one case; one record per expected kernel (or one failure record)."""
-  from s24jax import aot   # pylint: disable=g-import-not-at-top
+  from . import aot   # pylint: disable=g-import-not-at-top
   module = f"cc_{case.name}"
   fn = case.fn
   t0 = time.time()
@@ -248,7 +248,7 @@ def _fmt_row(r: dict) -> str:
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(prog="python -m kernels.compile_check",
+  p = argparse.ArgumentParser(prog="python -m s24jax.kernels.compile_check",
                               description=__doc__.split("\n")[0])
   p.add_argument("--gpu", required=True, choices=("a100", "h100", "b200"))
   p.add_argument("--json", default="", help="write one record per kernel and shape here")
@@ -259,7 +259,7 @@ def main(argv=None) -> int:
   p.add_argument("--tokens", default="", help="override: comma-separated token counts")
   args = p.parse_args(argv)
 
-  from s24jax import aot   # pylint: disable=g-import-not-at-top
+  from . import aot   # pylint: disable=g-import-not-at-top
   dump = pathlib.Path(tempfile.mkdtemp(prefix="compile_check_"))
   try:
     aot.start(dump)
@@ -274,7 +274,7 @@ def main(argv=None) -> int:
     tokens = tuple(int(v) for v in args.tokens.split(","))
   only = {s for s in args.only.split(",") if s}
   todo = [cs for cs in cases(args.gpu, widths, tokens) if not only or cs.name in only]
-  from s24jax.gpu_targets import target   # pylint: disable=g-import-not-at-top
+  from .gpu_targets import target   # pylint: disable=g-import-not-at-top
   print(f"kernels.compile_check: {len(todo)} compiles for {args.gpu} "
         f"({target(args.gpu).arch}), d {widths}, tokens {tokens}", flush=True)
   print(f"{'kernel':<30} {'shape':<24} {'regs':>4} {'smem':>7} {'spill':>6}  "

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from kernels import _common as c
+from . import _common as c
 
 # Token count up to which the compressed Pallas matmul is expected to beat
 # the dense XLA matmul on H100 (bf16). From the roofline, not a measurement:
@@ -49,7 +49,7 @@ from kernels import _common as c
 # FLOP/byte (datasheet peaks, see kernels/BENCHMARKS.md), and
 # the compressed operand moves 0.5625x the weight bytes; after the on-chip
 # expansion overhead a win is plausible up to a few tens of tokens. 64 is a
-# placeholder until `python -m kernels.bench` calibrates it on the GPU host
+# placeholder until `python -m s24jax.kernels.bench` calibrates it on the GPU host
 # (see kernels/BENCHMARKS.md).
 PALLAS_MATMUL_MAX_TOKENS = 64
 # Shape constraints of the native kernel (no padding of the weight needed).
@@ -377,7 +377,7 @@ def sparse24_matmul_reference(x, values, meta):
   return y.astype(x.dtype)
 
 
-if __name__ == "__main__":   # python -m kernels.compressed_matmul: this family's rows of kernels.bench
+if __name__ == "__main__":   # python -m s24jax.kernels.compressed_matmul: this family's rows of kernels.bench
   import sys   # pylint: disable=g-import-not-at-top
-  from kernels import bench   # pylint: disable=g-import-not-at-top
+  from . import bench   # pylint: disable=g-import-not-at-top
   sys.exit(bench.main(["--only", "matmul,matmul_bwd", *sys.argv[1:]]))

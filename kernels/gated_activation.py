@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from kernels import _common as c
+from . import _common as c
 
 ACTIVATIONS = ("geglu", "swiglu")
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -205,7 +205,7 @@ def gated_act_reference(x, kind: str = "geglu", *, approximate: bool = True):
   return (v * act).astype(x.dtype)
 
 
-if __name__ == "__main__":   # python -m kernels.gated_activation: this family's rows of kernels.bench
+if __name__ == "__main__":   # python -m s24jax.kernels.gated_activation: this family's rows of kernels.bench
   import sys   # pylint: disable=g-import-not-at-top
-  from kernels import bench   # pylint: disable=g-import-not-at-top
+  from . import bench   # pylint: disable=g-import-not-at-top
   sys.exit(bench.main(["--only", "gated", *sys.argv[1:]]))

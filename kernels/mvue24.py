@@ -4,7 +4,7 @@ Why: the fully sparse linear layer computes dW = MVUE(dY^T) x with dY^T made
 2:4 along tokens (docs/algorithms.md, "MVUE 2:4 estimator"). The
 estimator is elementwise per group of four, so one pass that reads the dense
 input once and writes compressed values + metadata is all the memory traffic
-there is. (`s24jax.masks.mvue24` is the same estimator with jax.random draws;
+there is. (`s24jax.kernels.masks.mvue24` is the same estimator with jax.random draws;
 this kernel uses its own counter-based hash, so the two agree in law, not
 draw for draw.)
 
@@ -12,7 +12,7 @@ Estimator (per group x_0..x_3): a_i = |x_i| + eps, S = sum a_i. Draw a first
 index with probability a_i / S, then a second from the other three with
 probability proportional to a_j. Keep the two drawn entries as x_i / p_i with
 p_i = a_i/S + sum_{j != i} (a_j/S) * a_i/(S - a_j), the inclusion
-probability; E[result] = x exactly. eps follows `s24jax.masks.mvue24`'s rule, one rule
+probability; E[result] = x exactly. eps follows `s24jax.kernels.masks.mvue24`'s rule, one rule
 for both: eps = MVUE_REL_EPS * max_j |x_j| + the smallest normal float32, per group
 (scale-invariant; it affects the variance, never the mean).
 
@@ -41,8 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from kernels import _common as c
-from s24jax import masks
+from . import _common as c
+from . import masks
 
 
 
@@ -206,7 +206,7 @@ def mvue24_dense_reference(x: jax.Array, seed):
   return c.decompress(*mvue24_reference(x, seed))
 
 
-if __name__ == "__main__":   # python -m kernels.mvue24: this family's rows of kernels.bench
+if __name__ == "__main__":   # python -m s24jax.kernels.mvue24: this family's rows of kernels.bench
   import sys   # pylint: disable=g-import-not-at-top
-  from kernels import bench   # pylint: disable=g-import-not-at-top
+  from . import bench   # pylint: disable=g-import-not-at-top
   sys.exit(bench.main(["--only", "mvue24", *sys.argv[1:]]))

@@ -8,7 +8,7 @@ the dense masked weight in between.
 
 Variants (`mode`):
   * "hard": keep the two largest |w| of every group of four, ties to the
-    lower index (exactly `s24jax.masks.nm_mask`); values are w at those spots.
+    lower index (exactly `s24jax.kernels.masks.nm_mask`); values are w at those spots.
   * "mask": positions from a given boolean 2:4 mask (at most two per group;
     a group with fewer is topped up with zero-valued slots).
   * "soft": S-STE soft threshold, values = beta * sign(w) * max(|w| - t, 0)
@@ -31,8 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from kernels import _common as c
-from s24jax import masks
+from . import _common as c
+from . import masks
 
 MODES = ("hard", "mask", "soft")
 
@@ -186,7 +186,7 @@ def decompress24(values: jax.Array, meta: jax.Array) -> jax.Array:
 def compress24_reference(w: jax.Array, mask: jax.Array | None = None):
   """jnp reference of `compress24` (same format, same tie rule).
 
-  The hard-threshold positions come from `s24jax.masks.nm_mask` (the
+  The hard-threshold positions come from `s24jax.kernels.masks.nm_mask` (the
   project's one implementation of the 2:4 mask), not from the kernel's own
   `top2_of4`, so the tests check the kernel's tie rule against it.
   """
@@ -213,7 +213,7 @@ def soft_compress24_reference(w: jax.Array, beta=1.0):
   return c.interleave([v0, v1]), c.pack_meta_rows(c.nibble(i0, i1))
 
 
-if __name__ == "__main__":   # python -m kernels.sparsify24: this family's rows of kernels.bench
+if __name__ == "__main__":   # python -m s24jax.kernels.sparsify24: this family's rows of kernels.bench
   import sys   # pylint: disable=g-import-not-at-top
-  from kernels import bench   # pylint: disable=g-import-not-at-top
+  from . import bench   # pylint: disable=g-import-not-at-top
   sys.exit(bench.main(["--only", "sparsify24", *sys.argv[1:]]))

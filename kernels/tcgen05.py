@@ -1,6 +1,6 @@
 """2:4 sparse GEMMs on Blackwell's sparse tensor cores (`tcgen05.mma.sp`, sm_100a).
 
-Status: compiled (devicelessly, for a B200: `python -m kernels.compile_check --gpu b200`),
+Status: compiled (devicelessly, for a B200: `python -m s24jax.kernels.compile_check --gpu b200`),
 never run. No Blackwell GPU was available to this project; the numerics tests
 (tests/test_kernels_tcgen05.py, marked `gpu`) are written and skip everywhere else.
 
@@ -51,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from kernels import _common as c
+from . import _common as c
 
 BACKEND_ELSEWHERE = "xla"    # the sparse layer's backend that runs on any device
 _TILE_M = 128                # tcgen05 sparse MMA: M = 128 per CTA
@@ -115,7 +115,7 @@ def tcgen05_metadata(meta: jax.Array, k: int, dtype=jnp.bfloat16) -> jax.Array:
 
 def check_device() -> None:
   """Raises NotBlackwellError unless the target device is a Blackwell GPU (compute
-  capability 10.x): the default device, which `s24jax.aot` sets to a compile-only B200 for a
+  capability 10.x): the default device, which `s24jax.kernels.aot` sets to a compile-only B200 for a
   deviceless compile, else jax's first device."""
   dev = jax.config.jax_default_device or jax.devices()[0]
   if not isinstance(dev, jax.Device):   # a platform name
@@ -348,7 +348,7 @@ def weight_grad(dy: jax.Array, x: jax.Array, seed, *,
   dy (T, out), x (T, in), T a multiple of 4; seed: uint32 (kernels.seed_from_key(key)).
   Unbiased: E[dW~] = dY^T x. `interpret` applies to the MVUE compress kernel only.
   """
-  from kernels.mvue24 import mvue24_compress   # pylint: disable=g-import-not-at-top
+  from .mvue24 import mvue24_compress   # pylint: disable=g-import-not-at-top
   check_device()
   values, meta = mvue24_compress(dy.T, seed, interpret=interpret)   # (out, T/2), (out, T/32)
   return sparse_matmul(values, meta, x.T, config=config)
@@ -362,13 +362,13 @@ def reference(a_values, a_meta, b, out_dtype=None) -> jax.Array:
 
 
 # ---------------------------------------------------------------------------------------------
-# Cases for `python -m kernels.compile_check --gpu b200`
+# Cases for `python -m s24jax.kernels.compile_check --gpu b200`
 
 
 def compile_check_cases(gpu: str, widths, tokens):
   """The three GEMM forms at the GPT-2 FFN shapes, for kernels.compile_check."""
-  from kernels.compile_check import Case   # pylint: disable=g-import-not-at-top
-  from s24jax import aot   # pylint: disable=g-import-not-at-top
+  from .compile_check import Case   # pylint: disable=g-import-not-at-top
+  from . import aot   # pylint: disable=g-import-not-at-top
   bf = jnp.bfloat16
   S = lambda shape, dtype=bf: aot.spec(shape, dtype, gpu)   # noqa: E731
   name = "tcgen05_sparse_matmul"
@@ -399,7 +399,7 @@ __all__ = ["NotBlackwellError", "Tcgen05Config", "check_device", "data_grad", "f
            "sparse_matmul", "tcgen05_metadata", "weight_grad"]
 
 
-if __name__ == "__main__":   # python -m kernels.tcgen05: this family's rows of kernels.bench
+if __name__ == "__main__":   # python -m s24jax.kernels.tcgen05: this family's rows of kernels.bench
   import sys   # pylint: disable=g-import-not-at-top
-  from kernels import bench   # pylint: disable=g-import-not-at-top
+  from . import bench   # pylint: disable=g-import-not-at-top
   sys.exit(bench.main(["--only", "tcgen05", *sys.argv[1:]]))

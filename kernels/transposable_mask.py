@@ -2,11 +2,11 @@
 
 Why: dX = dY W~ contracts W~ along its *out* axis, so a 2:4-accelerated
 backward needs W~^T to be 2:4 too. The algorithm (docs/algorithms.md,
-"Transposable 2:4 mask"; `s24jax.masks.transposable_mask` is its reference
+"Transposable 2:4 mask"; `s24jax.kernels.masks.transposable_mask` is its reference
 implementation): for every 4x4 block B of |W| pick, among the 90 binary 4x4
 patterns with exactly two ones in every row and every column, the pattern P
 maximising sum(P * B); ties go to the lowest pattern index in the order of
-`s24jax.masks.TRANSPOSABLE_PATTERNS`, which this kernel uses as is.
+`s24jax.kernels.masks.TRANSPOSABLE_PATTERNS`, which this kernel uses as is.
 
 How the kernel scores: it loads the 16 block positions as 16 strided
 [BR/4, BC/4] slices (one per (r, c) of the block), stacks them into a
@@ -39,9 +39,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from kernels import _common as c
-from kernels.sparsify24 import compress24_reference
-from s24jax import masks
+from . import _common as c
+from .sparsify24 import compress24_reference
+from . import masks
 
 # [90, 16] 0/1 matrix, entry 4r + c set when pattern p keeps (r, c); the
 # pattern order (it decides ties) is the reference's.
@@ -216,7 +216,7 @@ def transposable_mask24(w: jax.Array, *, with_compressed: bool = False,
 
 
 def transposable_mask_reference(w: jax.Array) -> jax.Array:
-  """The reference: `s24jax.masks.transposable_mask` (scores, argmax)."""
+  """The reference: `s24jax.kernels.masks.transposable_mask` (scores, argmax)."""
   return masks.transposable_mask(w)
 
 
@@ -227,7 +227,7 @@ def transposable_compressed_reference(w: jax.Array):
           compress24_reference(w.T, mask.T))
 
 
-if __name__ == "__main__":   # python -m kernels.transposable_mask: this family's rows of kernels.bench
+if __name__ == "__main__":   # python -m s24jax.kernels.transposable_mask: this family's rows of kernels.bench
   import sys   # pylint: disable=g-import-not-at-top
-  from kernels import bench   # pylint: disable=g-import-not-at-top
+  from . import bench   # pylint: disable=g-import-not-at-top
   sys.exit(bench.main(["--only", "transposable", *sys.argv[1:]]))

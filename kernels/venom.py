@@ -11,7 +11,7 @@ Format, for x [R, C] with blocks of V rows x M columns (C = contraction axis):
             magnitude: all C(M, 4) subsets are enumerated (70 for M = 8);
             score(S) = sum over the V rows of the two largest |x| in S; the
             first best subset in lexicographic order wins ties (exactly
-            `s24jax.masks.venom_select` with n = 2, the reference; see
+            `s24jax.kernels.masks.venom_select` with n = 2, the reference; see
             docs/algorithms.md, "Activation sparsity, V:N:M").
   * values  [R, 2 * C/M]: per row and block, the two kept values (2:4 inside
             the 4 chosen columns: the two largest |x|, ties to the lower).
@@ -41,9 +41,9 @@ from jax import lax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from kernels import _common as c
-from kernels.sparsify24 import compress24_reference
-from s24jax import masks
+from . import _common as c
+from .sparsify24 import compress24_reference
+from . import masks
 
 
 def column_subsets(m: int) -> tuple[tuple[int, int, int, int], ...]:
@@ -60,7 +60,7 @@ class VenomConfig(c.BlockConfig):
   Defaults: the compress tile is v x (8 * m) = 64 x 64 at the project's v = 64,
   m = 8, and 8 warps: 16 elements per thread, ~100 registers and no spills on
   sm_80 / sm_90a (16 blocks or 4 warps reach 255 registers and spill;
-  `python -m kernels.compile_check`)."""
+  `python -m s24jax.kernels.compile_check`)."""
   block_blocks: int = 8
   block_n: int = 64
   num_warps: int = dataclasses.field(default=8, kw_only=True)
@@ -188,7 +188,7 @@ def venom_decompress(values, meta, cols, v: int, m: int) -> jax.Array:
 
 def venom_reference(x: jax.Array, v: int = 16, m: int = 8):
   """Plain-jnp reference of `venom_compress`: the selection is
-  `s24jax.masks.venom_select` (n = 2), compressed in the package format."""
+  `s24jax.kernels.masks.venom_select` (n = 2), compressed in the package format."""
   _check_vm(x.shape, v, m)
   r, cdim = x.shape
   blocks = cdim // m
@@ -291,7 +291,7 @@ def venom_matmul_reference(values, meta, cols, w2, *, v: int, m: int):
                  preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-if __name__ == "__main__":   # python -m kernels.venom: this family's rows of kernels.bench
+if __name__ == "__main__":   # python -m s24jax.kernels.venom: this family's rows of kernels.bench
   import sys   # pylint: disable=g-import-not-at-top
-  from kernels import bench   # pylint: disable=g-import-not-at-top
+  from . import bench   # pylint: disable=g-import-not-at-top
   sys.exit(bench.main(["--only", "venom", *sys.argv[1:]]))

@@ -1,6 +1,6 @@
 """s24jax: 2:4 sparse pre-training of transformers in JAX/Flax."""
 
-from s24jax import aot as _aot
+from s24jax.kernels import aot as _aot
 
 __version__ = "0.2.0"
 

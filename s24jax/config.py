@@ -4,10 +4,10 @@ Experiment files in `experiments/` are a few overrides over `base_config()`:
 
     def get_config(variant=None):
       config = base_config()
-      config.sparsity.projection = 's_ste'
+      config.sparsity.method = 's_ste'
       return apply_variant(config, variant)
 
-`config.sparsity.projection` names the method (s24jax/methods/); every registered method owns
+`config.sparsity.method` names the method (s24jax/methods/); every registered method owns
 the block `config.sparsity.<name>` (its hyper-parameters, from the method's dataclass fields),
 so `--config.sparsity.t_sr_ste.mask_refresh_every=10` works from the command line. The
 mutable ConfigDict lives in launch/config land; the model and the jitted steps close over the
@@ -80,7 +80,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.scan_layers = False     # blocks under nn.scan: compile time independent of depth
 
   c.sparsity = ml_collections.ConfigDict()
-  c.sparsity.projection = "dense"            # the method: methods.available_methods()
+  c.sparsity.method = "dense"            # the method: methods.available_methods()
   c.sparsity.sparse_layers = ("*/mlp/*",)    # globs over module paths: both FFN matrices
   # The sparse layers' GEMMs (s24jax/sparse_ops.py): 'xla' (reference), 'pallas' (Pallas
   # kernels where they are expected to win: GPU, few tokens), 'pallas_always'.

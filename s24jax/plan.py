@@ -5,7 +5,7 @@
 
 No GPU is needed: XLA's own GPU compiler (the optional CUDA plugin of requirements-gpu-aot.txt)
 compiles the real `train.train_step`, sharded over `--devices` compile-only GPUs of the
-`config.mesh` shape, on abstract inputs (s24jax/aot.py). The report:
+`config.mesh` shape, on abstract inputs (kernels/aot.py). The report:
 
   - per-device memory from XLA's buffer assignment: arguments (the state and the batch),
     outputs, aliased (donated) bytes, temporaries, total; whether the total fits the GPU
@@ -23,7 +23,7 @@ compiles the real `train.train_step`, sharded over `--devices` compile-only GPUs
 
 It is also a compile-only check: a config that does not compile for the GPU fails here with
 XLA's error. Exit code: 0 if it fits, 1 if it compiles but does not fit, 2 on errors.
-Compile-time facts and limits: s24jax/aot.py; the measured table is in the README.
+Compile-time facts and limits: kernels/aot.py; the measured table is in the README.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ import sys
 import time
 from typing import Any
 
-from s24jax import aot
+from s24jax.kernels import aot
 
 HEADROOM = 0.10          # share of the GPU's memory kept free for what XLA does not count
 BIG_MEMORY_FACTOR = 16   # the copy of the GPU used to see the memory need without XLA remat
@@ -72,7 +72,7 @@ def gpu_config(config, gpu: str):
   if config.model.attention_impl == "auto":
     sparse_window = getattr(config.sparsity.get("mst", {}), "sparse_attention", "causal")
     uses_masks = config.model.attention != "causal" or (
-        config.sparsity.projection == "mst" and sparse_window != "causal")
+        config.sparsity.method == "mst" and sparse_window != "causal")
     config.model.attention_impl = "xla" if uses_masks else "cudnn"
   del gpu
   return config

@@ -1,12 +1,12 @@
 """Projections W -> W~ by name: the public names over the method registry.
 
-Every sparse-training method (s24jax/methods/) is selected by `config.sparsity.projection`;
+Every sparse-training method (s24jax/methods/) is selected by `config.sparsity.method`;
 its `project(kernel, layer)` is the custom_vjp projection. This module keeps the one-line path
 for a plain projection function, which becomes a method:
 
     @jax.custom_vjp
     def my24(w): ...
-    projections.register_projection("my24", my24)   # then config.sparsity.projection = "my24"
+    projections.register_projection("my24", my24)   # then config.sparsity.method = "my24"
 
 and the S-STE functions under their public names.
 """

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from s24jax import act_sparsity
-from s24jax import loop, masks, methods, projections
+from s24jax import loop, methods, projections
+from s24jax.kernels import masks
 from s24jax import model as model_lib
 from s24jax.act_sparsity import ActSparsityConfig
 from s24jax.model import GPT2, MLP, ModelConfig
@@ -184,7 +185,7 @@ def test_registered_act_backend_selects_and_multiplies():
 
 def _venom_kernels_available():
   try:
-    import kernels.venom  # pylint: disable=g-import-not-at-top,unused-import
+    import s24jax.kernels.venom  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
     return True
   except ImportError:
     return False

@@ -83,7 +83,7 @@ def test_dense_weight_gradient_step():
 
 def test_planned_dense_run():
   config = _config()
-  config.sparsity.projection = "dense"
+  config.sparsity.method = "dense"
   acct = flops.planned(config)
   model_cfg, shapes, _ = flops.model_shapes(config)
   one = flops.step_flops(model_cfg, shapes, {}, batch_size=config.batch_size,

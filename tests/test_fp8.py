@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from s24jax import fp8
-from s24jax import masks
+from s24jax.kernels import masks
 from s24jax import projections
 from s24jax import sparse_ops
 
@@ -195,7 +195,7 @@ def test_model_trains_with_fp8():
   from s24jax import config as config_lib, loop, train  # pylint: disable=g-import-not-at-top
   from s24jax import losses as losses_lib, model as model_lib  # pylint: disable=g-import-not-at-top
   c = config_lib.apply_variant(config_lib.base_config(), "tiny")
-  c.sparsity.projection, c.sparsity.fp8, c.sparsity.mvue = "s_ste", True, True
+  c.sparsity.method, c.sparsity.fp8, c.sparsity.mvue = "s_ste", True, True
   c.model.vocab_size, c.model.seq_len = 64, 8
   c.model.num_layers, c.model.num_heads, c.model.d_model = 1, 2, 16
   c.optim.warmup_steps, c.optim.lr = 1, 1e-2

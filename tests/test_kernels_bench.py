@@ -2,7 +2,7 @@
 import jax
 import pytest
 
-from kernels import bench
+from s24jax.kernels import bench
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu",

@@ -1,4 +1,4 @@
-"""kernels.compile_check and s24jax.aot: deviceless GPU compiles of the kernels.
+"""kernels.compile_check and s24jax.kernels.aot: deviceless GPU compiles of the kernels.
 
 The `aot` tests compile for real (XLA's CUDA compiler, ptxas) and are skipped without the
 CUDA compile plugin (requirements-gpu-aot.txt). Each runs the command line in a subprocess:
@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from s24jax import aot
+from s24jax.kernels import aot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -5,11 +5,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import kernels
-from kernels import _common as c
-from kernels import compressed_matmul as sm
-from kernels import sparsify24 as sp
-from kernels._testing import MODES, assert_lowers_to_triton, np_decompress
+from s24jax import kernels
+from s24jax.kernels import _common as c
+from s24jax.kernels import compressed_matmul as sm
+from s24jax.kernels import sparsify24 as sp
+from s24jax.kernels._testing import MODES, assert_lowers_to_triton, np_decompress
 
 CFG = sm.Sparse24MatmulConfig()
 REF = jax.jit(sm.sparse24_matmul_reference)

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 
-from kernels import _common as c
-from kernels._testing import MODES
+from s24jax.kernels import _common as c
+from s24jax.kernels._testing import MODES
 
 
 def test_nibble_layout_by_hand():

@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import kernels
-from kernels import gated_activation as ga
-from kernels._testing import MODES, assert_lowers_to_triton
+from s24jax import kernels
+from s24jax.kernels import gated_activation as ga
+from s24jax.kernels._testing import MODES, assert_lowers_to_triton
 
 CFG = ga.GatedActConfig()
 VARIANTS = [("geglu", True), ("geglu", False), ("swiglu", True)]

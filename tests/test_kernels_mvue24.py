@@ -9,11 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import kernels
-from s24jax import masks
-from kernels import _common as c
-from kernels import mvue24 as mv
-from kernels._testing import MODES, assert_lowers_to_triton
+from s24jax import kernels
+from s24jax.kernels import masks
+from s24jax.kernels import _common as c
+from s24jax.kernels import mvue24 as mv
+from s24jax.kernels._testing import MODES, assert_lowers_to_triton
 
 CFG = mv.Mvue24Config()
 REF = jax.jit(mv.mvue24_reference)

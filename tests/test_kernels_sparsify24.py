@@ -1,7 +1,7 @@
 """kernels.sparsify24: compress24 / soft_compress24 / decompress24.
 
 Checked against the jnp reference, a brute-force NumPy search per group, and
-s24jax.masks.nm_mask; kernel outputs are poisoned (NaN / all-ones) first so
+s24jax.kernels.masks.nm_mask; kernel outputs are poisoned (NaN / all-ones) first so
 an unwritten element fails the full-array comparison.
 """
 
@@ -10,11 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import kernels
-from kernels import _common as c
-from kernels import sparsify24 as sp
-from kernels._testing import MODES, assert_lowers_to_triton, np_pack_meta
-from s24jax.masks import nm_mask
+from s24jax import kernels
+from s24jax.kernels import _common as c
+from s24jax.kernels import sparsify24 as sp
+from s24jax.kernels._testing import MODES, assert_lowers_to_triton, np_pack_meta
+from s24jax.kernels.masks import nm_mask
 
 CFG = sp.Sparsify24Config()
 # Jitted references: eager op-by-op dispatch would dominate the test time.

@@ -13,10 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import kernels
-from kernels import _common as c
-from kernels import tcgen05 as tc
-from kernels._testing import np_decompress
+from s24jax import kernels
+from s24jax.kernels import _common as c
+from s24jax.kernels import tcgen05 as tc
+from s24jax.kernels._testing import np_decompress
 
 COMPRESS = jax.jit(kernels.compress24_reference)
 

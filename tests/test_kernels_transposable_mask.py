@@ -6,10 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import kernels
-from kernels import _common as c
-from kernels import transposable_mask as tm
-from kernels._testing import MODES, assert_lowers_to_triton
+from s24jax import kernels
+from s24jax.kernels import _common as c
+from s24jax.kernels import transposable_mask as tm
+from s24jax.kernels._testing import MODES, assert_lowers_to_triton
 
 CFG = tm.TransposableMaskConfig()
 REF = jax.jit(tm.transposable_mask_reference)

@@ -6,10 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import kernels
-from kernels import _common as c
-from kernels import venom as vn
-from kernels._testing import MODES, assert_lowers_to_triton
+from s24jax import kernels
+from s24jax.kernels import _common as c
+from s24jax.kernels import venom as vn
+from s24jax.kernels._testing import MODES, assert_lowers_to_triton
 
 CFG = vn.VenomConfig()
 REF = jax.jit(vn.venom_reference, static_argnums=(1, 2))

@@ -1,4 +1,4 @@
-"""Tests for s24jax.masks: every mask against an independent numpy brute force, on CPU.
+"""Tests for s24jax.kernels.masks: every mask against an independent numpy brute force, on CPU.
 
 Brute forces are written without the library's tricks (no pairwise ranks, no pattern matmul,
 no Gumbel), so agreement checks the maths and not a copy of the implementation.
@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from s24jax import masks
+from s24jax.kernels import masks
 
 # ----------------------------------------------------------------------------------------
 # nm_mask

@@ -15,7 +15,8 @@ import pytest
 
 from s24jax import config as config_lib
 from s24jax import hooks as hooks_lib
-from s24jax import loop, masks, methods
+from s24jax import loop, methods
+from s24jax.kernels import masks
 from s24jax.methods import base
 
 from tiny import tiny_config
@@ -121,7 +122,7 @@ def test_every_builtin_method_owns_its_config_block():
   assert set(c.sparsity.t_sr_ste) >= {"mask_refresh_every", "decay", "decay_auto"}
   assert set(c.sparsity.s_ste) == {"rescale_every"}
   assert "update_every" in c.sparsity.mst
-  c.sparsity.projection = "sr_ste"
+  c.sparsity.method = "sr_ste"
   c.sparsity.sr_ste.decay_placement = "sideways"
   with pytest.raises(ValueError, match="decay_placement.*valid: gradients, weights, backward"):
     methods.from_config(c)

@@ -33,7 +33,7 @@ def test_notebook_executes_in_a_jupyter_kernel(tmp_path, data_cache, monkeypatch
       final = json.load(f)
     assert final["step"] == 4 and final["train/loss"] < 11.0
     with open(tmp_path / name / "config.json") as f:
-      assert json.load(f)["sparsity"]["projection"] == name
+      assert json.load(f)["sparsity"]["method"] == name
   with open(tmp_path / "scaled_ste" / "final_metrics.json") as f:
     scale = json.load(f)["train/sparsity/scale"]
   # beta = ||W|| / ||m W||: above 1, and at most sqrt(2) since 2:4 keeps the larger half.

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from s24jax import loop
-from s24jax import masks
+from s24jax.kernels import masks
 from s24jax import methods
 from s24jax import sparse_ops
 from s24jax import train

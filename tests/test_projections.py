@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from s24jax import masks
+from s24jax.kernels import masks
 from s24jax import projections
 from s24jax.methods import base
 

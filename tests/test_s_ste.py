@@ -14,7 +14,7 @@ import pytest
 from s24jax import checkpoint as ckpt_lib
 from s24jax import config as config_lib
 from s24jax import loop
-from s24jax import masks
+from s24jax.kernels import masks
 from s24jax import model as model_lib
 from s24jax import projections
 from s24jax import state as state_lib
@@ -127,7 +127,7 @@ def test_s_ste_forward_is_scaled_soft_threshold_and_backward_is_straight_through
 
 def _tiny_config(rescale_every: int = 0):
   c = config_lib.apply_variant(config_lib.base_config(), "tiny")
-  c.sparsity.projection = "s_ste"
+  c.sparsity.method = "s_ste"
   c.sparsity.s_ste.rescale_every = rescale_every
   c.model.vocab_size = 64
   c.model.seq_len = 8

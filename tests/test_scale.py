@@ -300,7 +300,7 @@ def test_planner_reports_memory_and_detects_xla_rematerialization(tmp_path):
   planner must say so."""
   code = r"""
 import json, sys
-from s24jax import aot, plan
+from s24jax.kernels import aot, plan
 aot.start()
 from s24jax import compare
 cfg = compare.load_config(sys.argv[1], {"model.num_layers": 1, "model.num_heads": 2,

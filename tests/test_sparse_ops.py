@@ -20,7 +20,7 @@ import pytest
 from s24jax import flip_monitor
 from s24jax import losses
 from s24jax import loop
-from s24jax import masks
+from s24jax.kernels import masks
 from s24jax import methods
 from s24jax import model as model_lib
 from s24jax import sparse_ops

@@ -36,7 +36,7 @@ def _config(backend, **overrides):
 
 
 def test_tcgen05_off_blackwell_names_the_backend_that_runs():
-  from kernels import tcgen05   # pylint: disable=g-import-not-at-top
+  from s24jax.kernels import tcgen05   # pylint: disable=g-import-not-at-top
   c = _config("tcgen05")
   _, model_cfg, tx_fn = loop.build(c)   # building the config is fine anywhere
   model = GPT2(model_cfg)
@@ -51,7 +51,7 @@ def test_tcgen05_off_blackwell_names_the_backend_that_runs():
 def test_train_step_with_tcgen05_compiles_for_b200_with_sparse_mma(tmp_path):
   code = r"""
 import json, sys
-from s24jax import aot, plan
+from s24jax.kernels import aot, plan
 aot.start(sys.argv[2])
 from s24jax import compare
 cfg = compare.load_config(sys.argv[1], {"sparsity.backend": "tcgen05", "model.vocab_size": 512,

@@ -4,11 +4,11 @@ from __future__ import annotations
 from s24jax.config import apply_variant, base_config
 
 
-def tiny_config(projection: str = "s_ste", *, steps: int = 6, workdir_cache: str | None = None,
+def tiny_config(method: str = "s_ste", *, steps: int = 6, workdir_cache: str | None = None,
                 **overrides):
   """A 1-layer, 32-wide GPT-2 on the embedded corpus, logging/evaluating every few steps."""
   c = apply_variant(base_config(), "tiny")
-  c.sparsity.projection = projection
+  c.sparsity.method = method
   c.total_steps = steps
   c.batch_size = 4
   c.model.seq_len = 16

@@ -2,7 +2,7 @@
 
 A method is a frozen dataclass. Its fields are its hyper-parameters, which are also its config
 block, `config.sparsity.<name>` (so `--config.sparsity.s_ste.rescale_every=1` works for any
-registered method). `config.sparsity.projection` names the method that trains the sparse layers.
+registered method). `config.sparsity.method` names the method that trains the sparse layers.
 The train step, the loop and the optimizer call only the hooks below; none of them knows which
 method runs (docs/algorithms.md describes every built-in one).
 
@@ -59,7 +59,7 @@ import jax.numpy as jnp
 
 from s24jax import flip_monitor
 from s24jax import hooks as hooks_lib
-from s24jax import masks
+from s24jax.kernels import masks
 from s24jax import state as state_lib
 
 Layer = dict[str, jax.Array]
@@ -279,7 +279,7 @@ _REGISTRY: dict[str, Method] = {}
 
 def register_method(name: str, method: Method, *, overwrite: bool = False) -> Method:
   """Registers `method` (an instance: its field values are the defaults of its config block)
-  so that `config.sparsity.projection = name` trains with it. Re-registering a name needs
+  so that `config.sparsity.method = name` trains with it. Re-registering a name needs
   overwrite=True, so a typo in a notebook cannot silently replace a built-in."""
   if not isinstance(method, Method):
     raise TypeError(f"register_method needs a Method instance, got {method!r} (a plain "
@@ -302,7 +302,7 @@ def get_method(name: str) -> Method:
   try:
     return _REGISTRY[name]
   except KeyError:
-    raise ValueError(f"unknown method (sparsity.projection) {name!r}; valid: "
+    raise ValueError(f"unknown method (sparsity.method) {name!r}; valid: "
                      f"{', '.join(available_methods())}") from None
 
 
@@ -312,9 +312,10 @@ def config_blocks() -> dict[str, dict[str, Any]]:
 
 
 def from_config(config) -> Method:
-  """The method `config.sparsity.projection` with the hyper-parameters of its block,
+  """The method `config.sparsity.method` with the hyper-parameters of its block,
   validated and configured for this run."""
-  method = get_method(config.sparsity.projection)
+  check_renamed_keys(config)
+  method = get_method(config.sparsity.method)
   block = dict(config.sparsity.get(method.name, None) or {})
   valid = set(method.config_block())
   unknown = sorted(set(block) - valid)
@@ -323,6 +324,15 @@ def from_config(config) -> Method:
                      f"{sorted(valid)}")
   block = {k: tuple(v) if isinstance(v, list) else v for k, v in block.items()}
   return dataclasses.replace(method, **block).configure(config)
+
+
+def check_renamed_keys(config) -> None:
+  """A config (an old experiment file, or a resumed workdir's config.json) that still uses
+  the key renamed in 0.3 gets an error naming the new one, not a silent default."""
+  if "projection" in config.sparsity:
+    raise ValueError("config.sparsity.projection was renamed to config.sparsity.method (it "
+                     "selects the training method); set --config.sparsity.method="
+                     f"{config.sparsity.projection!r} instead")
 
 
 def check_positive_int(name: str, value: int, minimum: int = 1) -> None:

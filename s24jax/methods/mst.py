@@ -525,10 +525,10 @@ class MST(base.Method):
 
   def configure(self, config):
     if config.model.get("scan_layers", False):   # per-layer counts need per-layer kernels
-      raise ValueError(f"sparsity.projection={self.name!r} needs model.scan_layers=False "
+      raise ValueError(f"sparsity.method={self.name!r} needs model.scan_layers=False "
                        "(its topology updates count weights per layer)")
     if config.sparsity.backend != "xla":   # fast backends assume 2:4; these masks are not
-      raise ValueError(f"sparsity.projection={self.name!r} (unstructured masks) needs "
+      raise ValueError(f"sparsity.method={self.name!r} (unstructured masks) needs "
                        f"sparsity.backend='xla', got {config.sparsity.backend!r}")
     attention_masks.check_pattern(self.sparse_attention, config.model.attention_stride)
     layers = tuple(config.sparsity.sparse_layers)
@@ -564,7 +564,7 @@ class MST(base.Method):
     int(S_l N_l) smallest random_keys are pruned."""
     paths = state_lib.sparse_layer_paths(sparsity)
     if not paths:
-      raise ValueError(f"sparsity.projection={self.name!r} but no layer matches "
+      raise ValueError(f"sparsity.method={self.name!r} but no layer matches "
                        "sparsity.sparse_layers")
     if self.total_steps <= 0:
       raise ValueError("MST.init_train needs the run's total_steps: build the method with "

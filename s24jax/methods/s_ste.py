@@ -10,7 +10,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from s24jax import masks
+from s24jax.kernels import masks
 from s24jax import state as state_lib
 from s24jax.methods import base
 

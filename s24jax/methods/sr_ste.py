@@ -23,7 +23,7 @@ from absl import logging
 from flax import traverse_util
 
 from s24jax import hooks as hooks_lib
-from s24jax import masks
+from s24jax.kernels import masks
 from s24jax import state as state_lib
 from s24jax.methods import base
 

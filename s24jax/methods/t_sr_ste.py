@@ -18,7 +18,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from s24jax import masks
+from s24jax.kernels import masks
 from s24jax import state as state_lib
 from s24jax.methods import base
 from s24jax.methods import sr_ste

@@ -1,14 +1,14 @@
 """Deviceless ahead-of-time compilation for NVIDIA GPUs, on a machine without one.
 
 XLA's own GPU compiler (in the optional CUDA plugin of requirements-gpu-aot.txt) compiles a
-jitted function for a *described* GPU (a GpuTargetConfig in s24jax/gpu_targets/) instead of a
+jitted function for a *described* GPU (a GpuTargetConfig in kernels/gpu_targets/) instead of a
 device it queries. The result is a real compiled executable: optimized GPU HLO, buffer
 assignment (`memory_analysis()`), and every Pallas kernel lowered to PTX and assembled by
-ptxas. Nothing can run. Shared by `python -m kernels.compile_check` and the planner.
+ptxas. Nothing can run. Shared by `python -m s24jax.kernels.compile_check` and the planner.
 
 Use, in this order (the first call must come before jax initializes a backend):
 
-    from s24jax import aot
+    from . import aot
     aot.start(dump_dir)                      # JAX_PLATFORMS=cpu, XLA/Mosaic PTX dumps
     x = aot.spec((8192, 768), jnp.bfloat16, "h100")
     lowered, compiled = aot.compile_for_gpu(fn, x, gpu="h100")
@@ -40,7 +40,7 @@ import re
 import subprocess
 from typing import Any, Callable, Sequence
 
-from s24jax.gpu_targets import TARGETS, Target, target
+from .gpu_targets import TARGETS, Target, target
 
 INSTALL_HINT = "pip install -r requirements-gpu-aot.txt"
 
@@ -95,7 +95,7 @@ def start(dump_dir: str | os.PathLike | None = None) -> None:
   from jax._src import xla_bridge   # pylint: disable=g-import-not-at-top
   if xla_bridge.backends_are_initialized():
     if jax.default_backend() != "cpu" or dump_dir is not None:
-      raise RuntimeError("s24jax.aot.start() must run before jax initializes a backend "
+      raise RuntimeError("s24jax.kernels.aot.start() must run before jax initializes a backend "
                          "(call it first thing in the process).")
   jax.config.update("jax_platforms", "cpu")
   check_plugin()

@@ -1,4 +1,4 @@
-"""Described GPUs for deviceless XLA:GPU compilation (`s24jax/aot.py`).
+"""Described GPUs for deviceless XLA:GPU compilation (`kernels/aot.py`).
 
 Each `<name>.txtpb` is a GpuTargetConfig text proto (its header names the source and the
 licence). `TARGETS` maps the names the command lines accept to what the compile check needs
