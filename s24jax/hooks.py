@@ -1,8 +1,9 @@
 """Periodic chores of the training loop as hooks, and the clock that keeps them out of tokens/s.
 
-A `Hook` is a function of the loop's `Run` (s24jax/loop.py) with a schedule: after the train
-step of every `every`-th step (and the last), or before a step (it then sees the step's batch
-and the parameters before the update). The loop runs the due ones in order; every periodic
+A `Hook` is a function of a `Context` (what the loop shows a chore: the steps done, the
+state, the last log, a metrics writer; s24jax/loop.py's `Run` is one) with a schedule: after
+the train step of every `every`-th step (and the last), or before a step (it then sees the
+state before the update). The loop runs the due ones in order; every periodic
 action (log, eval, checkpoint, a method's chores) is one, so the loop body stays a few lines
 and knows no method.
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Protocol
 
 import jax
 
@@ -29,11 +30,31 @@ def itstime(step: int, every: int, total: int, *, last: bool = True) -> bool:
   return every > 0 and step % every == 0
 
 
+class Context(Protocol):
+  """What a hook sees of the run. `step` is the number of optimizer steps done: before a
+  step, the index of the step about to run; after it, that index + 1."""
+  step: int
+  state: Any                       # the TrainState (s24jax/state.py)
+  workdir: str
+  last_log: Mapping[str, float]    # the scalars of the latest 'log' (empty before the first)
+
+  @property
+  def metrics_path(self) -> str:   # the run's metrics.jsonl
+    ...
+
+  @property
+  def sparse_phase(self) -> bool:  # False while the step's model is dense (dense fine-tuning)
+    ...
+
+  def write(self, step: int, scalars: Mapping[str, Any]) -> None:
+    ...
+
+
 @dataclasses.dataclass
 class Hook:
   """`fn(run)` when due. `every`: after every every-th step (and the last); `due(step)`
   overrides that; `before_step`: run before the train step (step 0-based, sees the batch)."""
-  fn: Callable[[Any], None]
+  fn: Callable[[Context], None]
   every: int = 1
   before_step: bool = False
   training: bool = False          # its time is training work (counted in tokens/s)

@@ -18,7 +18,8 @@ from s24jax import act_sparsity
 from s24jax import activations
 from s24jax import attention_masks
 from s24jax import losses
-from s24jax import methods
+from s24jax.methods import base as methods_base
+from s24jax.methods import registry
 from s24jax.act_sparsity import ActSparsityConfig
 from s24jax.sparse_linear import SparseEmbed, SparseLinear, SparsityConfig
 
@@ -87,7 +88,7 @@ class ModelConfig:
   def dense_twin(self) -> "ModelConfig":
     """The same model dense everywhere: weights and (Haziza et al.) activations."""
     return dataclasses.replace(
-        self, sparsity=dataclasses.replace(self.sparsity, method=methods.get_method("dense")),
+        self, sparsity=dataclasses.replace(self.sparsity, method=registry.get_method("dense")),
         act=ActSparsityConfig())
 
   def describe(self) -> str:
@@ -97,10 +98,10 @@ class ModelConfig:
 
 
 def model_config(config: ml_collections.ConfigDict,
-                 method: methods.Method | None = None) -> ModelConfig:
-  """The frozen model config of a run config; `method` defaults to methods.from_config."""
+                 method: methods_base.Method | None = None) -> ModelConfig:
+  """The frozen model config of a run config; `method` defaults to registry.from_config."""
   sp = config.sparsity
-  sparsity = SparsityConfig(method=method or methods.from_config(config),
+  sparsity = SparsityConfig(method=method or registry.from_config(config),
                             sparse_layers=tuple(sp.sparse_layers), backend=sp.backend,
                             mvue=sp.mvue, fp8=sp.fp8,
                             dense_finetune_init=sp.dense_finetune_init)

@@ -1,10 +1,13 @@
 """The optimizer: clipped AdamW, with the method's transforms at their placements.
 
-    clip -> [method: 'gradients'] -> Adam -> weight decay (matrices) -> [method: 'weights'] -> lr
+    [method: 'raw'] -> clip -> [method: 'gradients'] -> Adam -> weight decay (matrices)
+        -> [method: 'weights'] -> lr
 
-A method inserts transforms at either placement (`Method.optimizer_transforms`), e.g. SR-STE's
-masked decay after clipping and before Adam (Hu et al. 2024) or decoupled after Adam, and
-supplies their per-step extra arguments from the train state (`Method.optimizer_args`).
+A method with the `OptimizerTransforms` capability (s24jax/methods/base.py) inserts transforms
+at these placements: MST's gradient mask on the raw gradients, SR-STE's masked decay after
+clipping and before Adam (Hu et al. 2024) or decoupled after Adam. The train step passes
+every transform the same extra arguments: `method` (of the step's model), `sparsity` and
+`method_state` (s24jax/train.py).
 """
 from __future__ import annotations
 
@@ -14,6 +17,9 @@ import jax
 import optax
 
 from s24jax import schedules
+from s24jax.methods import base
+
+PLACEMENTS = ("raw", "gradients", "weights")
 
 
 def is_matrix(params) -> Any:
@@ -26,11 +32,18 @@ def make_optimizer(config, is_sparse: Any, method) -> optax.GradientTransformati
   params-shaped bool tree marking the sparse kernels."""
   o = config.optim
   lr = schedules.learning_rate(o, config.total_steps)
+
+  def at(placement):
+    if isinstance(method, base.OptimizerTransforms):
+      return method.optimizer_transforms(placement, is_sparse)
+    return []
+
   return optax.with_extra_args_support(optax.chain(
+      *at("raw"),
       optax.clip_by_global_norm(o.grad_clip) if o.grad_clip > 0 else optax.identity(),
-      *method.optimizer_transforms("gradients", is_sparse),
+      *at("gradients"),
       optax.scale_by_adam(b1=o.b1, b2=o.b2, eps=o.eps),
       optax.add_decayed_weights(o.weight_decay, mask=is_matrix),
-      *method.optimizer_transforms("weights", is_sparse),
+      *at("weights"),
       optax.scale_by_learning_rate(lr),
   ))

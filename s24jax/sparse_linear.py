@@ -21,7 +21,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from s24jax import methods
+from s24jax.methods import base as methods_base
+from s24jax.methods import registry
 from s24jax import sparse_ops
 
 BACKENDS = sparse_ops.BACKENDS
@@ -35,13 +36,14 @@ class SparsityConfig:
   `method` (s24jax/methods/) projects the weights; the other fields configure the three-GEMM
   op of every sparse layer and compose with any 2:4 method.
   """
-  method: methods.Method = dataclasses.field(default_factory=lambda: methods.get_method("dense"))
+  method: methods_base.Method = dataclasses.field(
+      default_factory=lambda: registry.get_method("dense"))
   # Glob patterns over module paths ('h_3/mlp/fc'); matching linear layers are sparse.
   sparse_layers: tuple[str, ...] = ("*/mlp/*",)
   backend: str = "xla"      # the GEMMs: 'xla' (reference), 'pallas', 'pallas_always'
   mvue: bool = False        # weight gradient from the MVUE 2:4 estimate of dY^T
   fp8: bool = False         # FP8 GEMMs (s24jax/fp8.py)
-  # How dense fine-tuning starts (methods.base.Method.enter): 'latent' W or 'projected' W~.
+  # How dense fine-tuning starts (s24jax/phases.py: enter): 'latent' W or 'projected' W~.
   dense_finetune_init: str = "latent"
 
   def __post_init__(self):
@@ -80,7 +82,8 @@ def linear(x: jax.Array, w: jax.Array, *, backend: str = "xla", sparse: bool = F
                     preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-def _init_layer(method: methods.Method, kernel: jax.Array, path: str) -> dict[str, jax.Array]:
+def _init_layer(method: methods_base.Method, kernel: jax.Array, path: str
+                ) -> dict[str, jax.Array]:
   """method.init_layer(kernel), with the layer named in a shape error (e.g. a transposable
   mask needs `out` to be a multiple of 4 as well)."""
   try:

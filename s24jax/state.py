@@ -2,7 +2,8 @@
 
 One pytree: step, params (dense latent weights), opt_state, sparsity (per sparse layer: the
 projection state such as the S-STE scale, and the mask of the last step for the flip rate),
-rng. Orbax saves exactly this, so a resumed run continues exactly.
+method_state (the method's own, e.g. SR-STE's lambda_W controller, MST's update plan), rng.
+Orbax saves exactly this, so a resumed run continues exactly.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ class TrainState:
   params: Any              # float32 latent weights
   opt_state: Any
   sparsity: Any            # the model's 'sparsity' collection ({} for a dense model)
+  method_state: Any        # the method's own state (methods.base.Method.init_state; {} if none)
   rng: jax.Array           # uint32[2] base key; step t uses fold_in(rng, t)
 
 
@@ -34,6 +36,10 @@ def get_path(tree: Any, path: tuple[str, ...]) -> Any:
     tree = tree[k]
   return tree
 
+
+# The module name of the tied token embedding / LM head (s24jax/sparse_linear.py: SparseEmbed);
+# 'wte' in `sparsity.sparse_layers` makes it a sparse layer.
+HEAD = "wte"
 
 # The name of a sparse layer's weight in its params: a SparseLinear's 'kernel' (out, in), or the
 # tied token embedding's 'embedding' (vocab, C), which is the LM head's (out, in) weight.

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import optax
 
 from s24jax import sharding
+from s24jax.methods.base import layer_scalars
 from s24jax.model import GPT2
 from s24jax.state import TrainState
 
@@ -82,18 +83,17 @@ def train_step(state: TrainState, batch: Batch, *, model: GPT2,
   key = jax.random.fold_in(jax.random.fold_in(state.rng, state.step), _SPARSITY_STREAM)
   loss_sum, grads = loss_and_grads(state.params, state.sparsity, batch, key, model=model,
                                    accum_steps=accum_steps)
-  raw_grads, grads = grads, method.gradients(grads, state.sparsity)
-  updates, opt_state = tx.update(grads, state.opt_state, state.params,
-                                 **method.optimizer_args(state.params, state.sparsity))
-  params = optax.apply_updates(state.params, updates)
-  params, sparsity, method_metrics = method.after_update(params, state.sparsity, state.step)
+  updates, opt_state = tx.update(grads, state.opt_state, state.params, method=method,
+                                 sparsity=state.sparsity, method_state=state.method_state)
+  after = state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
+                        opt_state=opt_state)
+  new_state, method_metrics = method.update(state, after, grads)
   grad_norm = optax.tree.norm(grads)
   metrics = {"loss": loss_sum, "count": jnp.asarray(batch["targets"].size, jnp.float32),
              "grad_norm": grad_norm, "finite": jnp.isfinite(loss_sum) & jnp.isfinite(grad_norm),
              **method_metrics}
-  new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
-                            sparsity=sparsity)
-  new_state, metrics = method.finish_step(state, new_state, raw_grads, metrics)
+  if method.sparse:   # scalar layer state, e.g. the S-STE scale, as it leaves the step
+    metrics.update(layer_scalars(new_state.sparsity))
   if partitioner is not None:
     new_state = partitioner.constrain(new_state)
   return new_state, metrics
@@ -105,19 +105,17 @@ def eval_step(params: Any, sparsity: Any, batch: Batch, *, model: GPT2) -> dict[
           "count": jnp.asarray(batch["targets"].size, jnp.float32)}
 
 
-def init_state(model: GPT2, tx_fn: Callable[[Any, Any], optax.GradientTransformation],
-               seed: int) -> TrainState:
-  """Fresh state: params, the 'sparsity' collection (per-layer state, the method's own state
-  under its name), optimizer state. `tx_fn(params, sparsity)` builds the optimizer."""
+def fresh_state(model: GPT2, tx_fn: Callable[[Any, Any], optax.GradientTransformation],
+                seed: int) -> TrainState:
+  """A new run's state: params, the 'sparsity' collection (per-layer state), the method's own
+  state, the optimizer state. `tx_fn(params, sparsity)` builds the optimizer."""
   init_rng, train_rng = jax.random.split(jax.random.PRNGKey(seed))
   tokens = jnp.zeros((1, model.config.seq_len), jnp.int32)
   variables = flax.core.unfreeze(model.init(init_rng, tokens))
-  params = variables["params"]
-  sparsity = variables.get("sparsity", {})
   method = model.config.sparsity.method
-  params, sparsity = method.init_train(params, sparsity, jax.random.fold_in(init_rng, 1))
-  if method.init_state():
-    sparsity = {**sparsity, method.name: method.init_state()}
+  params, sparsity, method_state = method.init_state(variables["params"],
+                                               variables.get("sparsity", {}),
+                                               jax.random.fold_in(init_rng, 1))
   tx = tx_fn(params, sparsity)
   return TrainState(step=jnp.asarray(0, jnp.int32), params=params, opt_state=tx.init(params),
-                    sparsity=sparsity, rng=train_rng)
+                    sparsity=sparsity, method_state=method_state, rng=train_rng)

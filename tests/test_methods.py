@@ -14,10 +14,12 @@ import numpy as np
 import pytest
 
 from s24jax import config as config_lib
-from s24jax import hooks as hooks_lib
-from s24jax import loop, methods
+from s24jax import hooks
+from s24jax import state as state_lib
+from s24jax import loop
 from s24jax.kernels import masks
 from s24jax.methods import base
+from s24jax.methods import registry
 
 from tiny import tiny_config
 
@@ -35,7 +37,7 @@ _keep_n_of_4.defvjp(lambda w, m: (_keep_n_of_4(w, m), None), lambda _, g: (g, No
 @dataclasses.dataclass(frozen=True)
 class CountingNof4(base.Method):
   """N:4 hard threshold, straight-through, with a per-layer counter of refreshes (state that
-  after_update changes) and a host hook that records when it ran."""
+  `update` changes) and a host chore that records when it ran."""
   n: int = 2                       # a hyper-parameter: config.sparsity.<name>.n
   seen: list = dataclasses.field(default_factory=list, compare=False, hash=False,
                                  metadata=base.INTERNAL)
@@ -53,25 +55,27 @@ class CountingNof4(base.Method):
   def project(self, kernel, layer):
     return _keep_n_of_4(kernel, layer["mask"])
 
-  def update_layers(self, params, sparsity, steps_done):
-    from s24jax import state as state_lib   # pylint: disable=g-import-not-at-top
+  def update(self, before, after, grads):
+    after, metrics = super().update(before, after, grads)
+    sparsity = after.sparsity
     paths = state_lib.sparse_layer_paths(sparsity)
-    return state_lib.with_layer_entry(
+    return after.replace(sparsity=state_lib.with_layer_entry(
         sparsity, "updates", {p: base.layer_at(sparsity, p)["updates"] + 1 for p in paths})
+    ), metrics
 
-  def hooks(self, config):
-    return [*super().hooks(config),
-            hooks_lib.Hook(lambda run: self.seen.append(run.step), every=2, name="count")]
+  def chores(self, run):
+    return [*super().chores(run),
+            hooks.Hook(lambda ctx: self.seen.append(ctx.step), every=2, name="count")]
 
 
 @pytest.fixture
 def counting_method():
   name = "test_counting_n_of_4"
-  method = base.register_method(name, CountingNof4())
+  method = registry.register_method(name, CountingNof4())
   try:
     yield method
   finally:
-    base._REGISTRY.pop(name, None)   # pylint: disable=protected-access
+    registry._REGISTRY.pop(name, None)   # pylint: disable=protected-access
 
 
 def test_a_method_defined_in_a_test_trains_by_name(counting_method, tmp_path, data_cache):
@@ -85,7 +89,7 @@ def test_a_method_defined_in_a_test_trains_by_name(counting_method, tmp_path, da
   records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
   updates = {r["step"]: r["train/sparsity/updates"] for r in records
              if "train/sparsity/updates" in r}
-  assert updates == {1: 1.0, 2: 2.0, 3: 3.0, 4: 4.0}   # after_update changed its state
+  assert updates == {1: 1.0, 2: 2.0, 3: 3.0, 4: 4.0}   # update changed its state
   flips = [r["train/flip_rate"] for r in records if "train/flip_rate" in r]
   assert len(flips) == 4 and all(0 <= f <= 1 for f in flips)
   # n = 1 reached the forward pass: the stored masks keep exactly one of every 4.
@@ -94,7 +98,7 @@ def test_a_method_defined_in_a_test_trains_by_name(counting_method, tmp_path, da
   from s24jax import train   # pylint: disable=g-import-not-at-top
   method, model_cfg, tx_fn = loop.build(cfg)
   assert method.n == 1
-  fresh = train.init_state(model_lib.GPT2(model_cfg), tx_fn, 0)
+  fresh = train.fresh_state(model_lib.GPT2(model_cfg), tx_fn, 0)
   state = ckpt_lib.Checkpointer(str(tmp_path)).restore_or_init(fresh)
   mask = np.asarray(state.sparsity["h_0"]["mlp"]["fc"]["mask"])
   assert (mask.reshape(-1, 4).sum(1) == 1).all()
@@ -102,19 +106,19 @@ def test_a_method_defined_in_a_test_trains_by_name(counting_method, tmp_path, da
 
 def test_registry_errors_list_the_valid_choices(counting_method):
   with pytest.raises(ValueError, match="already registered"):
-    base.register_method("ste", CountingNof4())
+    registry.register_method("ste", CountingNof4())
   with pytest.raises(ValueError) as e:
-    methods.get_method("s-ste")
+    registry.get_method("s-ste")
   for name in ("dense", "ste", "sr_ste", "t_sr_ste", "s_ste", "mst", counting_method.name):
     assert name in str(e.value)
   cfg = tiny_config(counting_method.name)
   cfg.sparsity[counting_method.name]["m"] = 8
   with pytest.raises(ValueError, match=r"unknown fields \['m'\].*valid: \['n'\]"):
-    methods.from_config(cfg)
+    registry.from_config(cfg)
   cfg = tiny_config(counting_method.name)
   cfg.sparsity[counting_method.name].n = 5
   with pytest.raises(ValueError, match="n must be in 1..4"):   # the method validates itself
-    methods.from_config(cfg)
+    registry.from_config(cfg)
 
 
 def test_every_builtin_method_owns_its_config_block():
@@ -125,10 +129,10 @@ def test_every_builtin_method_owns_its_config_block():
   c.sparsity.method = "sr_ste"
   c.sparsity.sr_ste.decay_placement = "sideways"
   with pytest.raises(ValueError, match="decay_placement.*valid: gradients, weights, backward"):
-    methods.from_config(c)
+    registry.from_config(c)
   c = tiny_config("mst", sparsity__backend="pallas")
   with pytest.raises(ValueError, match="needs sparsity.backend='xla'"):
-    methods.from_config(c)
+    registry.from_config(c)
 
 
 def test_the_step_and_the_loop_name_no_method():
@@ -148,13 +152,13 @@ def test_config_and_model_do_not_import_the_data_pipeline():
 
 
 def test_itstime():
-  assert [s for s in range(1, 11) if hooks_lib.itstime(s, 3, 10)] == [3, 6, 9, 10]
-  assert [s for s in range(1, 11) if hooks_lib.itstime(s, 0, 10)] == [10]
-  assert [s for s in range(1, 11) if hooks_lib.itstime(s, 3, 10, last=False)] == [3, 6, 9]
+  assert [s for s in range(1, 11) if hooks.itstime(s, 3, 10)] == [3, 6, 9, 10]
+  assert [s for s in range(1, 11) if hooks.itstime(s, 0, 10)] == [10]
+  assert [s for s in range(1, 11) if hooks.itstime(s, 3, 10, last=False)] == [3, 6, 9]
 
 
 def test_clock_leaves_excluded_time_out():
-  clock = hooks_lib.Clock()
+  clock = hooks.Clock()
   time.sleep(0.05)
   with clock.excluded(jnp.zeros(3)):
     time.sleep(0.3)
@@ -170,15 +174,65 @@ def test_hooks_run_when_due_and_on_their_side(monkeypatch):
 
   class FakeRun:
     step, total, state = 0, 6, jnp.zeros(())
-    clock = hooks_lib.Clock()
+    clock = hooks.Clock()
 
   run = FakeRun()
-  hooks = [hooks_lib.Hook(lambda r: calls.append(("after", r.step)), every=2),
-           hooks_lib.Hook(lambda r: calls.append(("before", r.step)), before_step=True,
-                          training=True, due=lambda s: s % 3 == 0)]
+  chores = [hooks.Hook(lambda r: calls.append(("after", r.step)), every=2),
+            hooks.Hook(lambda r: calls.append(("before", r.step)), before_step=True,
+                       training=True, due=lambda s: s % 3 == 0)]
   for step in range(6):
     run.step = step
-    hooks_lib.run_hooks(run, hooks, before_step=True)
+    hooks.run_hooks(run, chores, before_step=True)
     run.step = step + 1
-    hooks_lib.run_hooks(run, hooks, before_step=False)
+    hooks.run_hooks(run, chores, before_step=False)
   assert calls == [("before", 0), ("after", 2), ("before", 3), ("after", 4), ("after", 6)]
+
+
+BUILTIN = ("dense", "ste", "sr_ste", "t_sr_ste", "s_ste", "mst")
+
+
+@pytest.mark.parametrize("name", BUILTIN)
+def test_every_builtin_method_trains_with_the_tied_head_sparse(name, data_cache):
+  """'wte' in sparse_layers (the tied embedding / LM head) works for every built-in method:
+  two jitted steps, finite losses, the head's mask stored and kept 2:4 (MST: its density)."""
+  from s24jax import model as model_lib   # pylint: disable=g-import-not-at-top
+  from s24jax import train   # pylint: disable=g-import-not-at-top
+  cfg = tiny_config(name, steps=4, workdir_cache=data_cache,
+                    sparsity__sparse_layers=("*/mlp/*", "wte"))
+  if name == "sr_ste":   # the masked decay reaches the head (it crashed there at step 1)
+    cfg.sparsity.sr_ste.decay = 0.1
+  method, model_cfg, tx_fn = loop.build(cfg)
+  model = model_lib.GPT2(model_cfg)
+  state = train.fresh_state(model, tx_fn, 0)
+  tx = tx_fn(state.params, state.sparsity)
+  vocab = state.params["wte"]["embedding"].shape[0]
+  batch = {"inputs": jnp.zeros((4, 16), jnp.int32) + jnp.arange(16) % vocab,
+           "targets": jnp.ones((4, 16), jnp.int32)}
+  for _ in range(2):
+    state, metrics = train.train_step(state, batch, model=model, tx=tx)
+    assert np.isfinite(float(metrics["loss"]))
+  if not method.sparse:
+    assert "wte" not in state.sparsity
+    return
+  mask = np.asarray(state.sparsity["wte"]["mask"])
+  head = np.asarray(state.params["wte"]["embedding"])
+  assert mask.shape == head.shape
+  if method.structured_24:
+    assert (mask.reshape(-1, 4).sum(1) == 2).all()
+  else:   # MST: weights outside the mask are exactly 0
+    assert (head[~mask] == 0).all() and 0 < mask.mean() < 1
+
+
+def test_sr_ste_forward_masks_cover_the_tied_head():
+  """The masked decay's mask tree holds the head's mask at ('wte', 'embedding') (it was
+  built with 'kernel' hard-coded, and None there crashed the first step)."""
+  from s24jax.methods import sr_ste   # pylint: disable=g-import-not-at-top
+  params = {"wte": {"embedding": jnp.ones((8, 4))},
+            "h_0": {"mlp": {"fc": {"kernel": jnp.ones((4, 8)), "bias": jnp.zeros(4)}}}}
+  sparsity = {"wte": {"mask": jnp.eye(8, 4, dtype=bool)},
+              "h_0": {"mlp": {"fc": {"mask": jnp.ones((4, 8), bool)}}}}
+  tree = sr_ste.forward_masks(params, sparsity)
+  np.testing.assert_array_equal(tree["wte"]["embedding"], sparsity["wte"]["mask"])
+  np.testing.assert_array_equal(tree["h_0"]["mlp"]["fc"]["kernel"],
+                                sparsity["h_0"]["mlp"]["fc"]["mask"])
+  assert tree["h_0"]["mlp"]["fc"]["bias"] is None

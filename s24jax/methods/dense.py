@@ -1,5 +1,5 @@
 """dense: no sparsity, W~ = W. The baseline, and the twin a run switches to for dense
-fine-tuning (every method's `model_at` returns a model with this method then)."""
+fine-tuning (s24jax/phases.py switches a sparse method's model to this one then)."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,13 +16,3 @@ class Dense(base.Method):
     del layer
     return kernel
 
-  def after_update(self, params, sparsity, step):
-    del step
-    return params, sparsity, {}
-
-  def model_at(self, step, model_cfg, config):
-    del step, config
-    return model_cfg
-
-
-base.register_method("dense", Dense())

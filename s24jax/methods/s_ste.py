@@ -71,20 +71,19 @@ class SSTE(base.Method):
   def project(self, kernel, layer):
     return s_ste24(kernel, layer["scale"])
 
-  def update_layers(self, params, sparsity, steps_done):
-    """beta <- s_ste_scale(W) when `steps_done` is a multiple of rescale_every (so from W_k,
-    W_2k, ...), unchanged otherwise; never when rescale_every = 0."""
+  def update(self, before, after, grads):
+    """The masks (base), then beta <- s_ste_scale(W) after every rescale_every-th step (so
+    from W_k, W_2k, ...), unchanged otherwise; never when rescale_every = 0."""
+    after, metrics = super().update(before, after, grads)
     k = self.rescale_every
     if not k:
-      return sparsity
+      return after, metrics
+    steps_done = before.step + 1
     new = {}
-    for path in state_lib.sparse_layer_paths(sparsity):
-      old = base.layer_at(sparsity, path)["scale"]
+    for path in state_lib.sparse_layer_paths(after.sparsity):
+      old = base.layer_at(after.sparsity, path)["scale"]
       new[path] = jax.lax.cond(steps_done % k == 0,
-                               lambda w=base.kernel_at(params, path):
+                               lambda w=base.kernel_at(after.params, path):
                                base.per_layer(s_ste_scale)(w),
                                lambda old=old: jnp.asarray(old, jnp.float32))
-    return state_lib.with_layer_entry(sparsity, "scale", new)
-
-
-base.register_method("s_ste", SSTE())
+    return after.replace(sparsity=state_lib.with_layer_entry(after.sparsity, "scale", new)), metrics

@@ -5,8 +5,9 @@ docs/algorithms.md, "SR-STE" and "Choosing lambda_W in warm-up", describe the ru
 - `sr_ste24`: the projection, with the decay inside the backward ('backward' placement);
 - `masked_decay`: the optax transform for the two Adam placements, 'gradients' (after
   clipping, before Adam: Hu et al. 2024) and 'weights' (decoupled, after Adam);
-- the lambda_W controller (`decay_auto`): state in the train state under the method's name,
-  updated from the step's global flip rate inside the jitted step, frozen after warm-up;
+- the lambda_W controller (`decay_auto`): its state (`ControllerState`) is the method state
+  of the train state, updated from the step's global flip rate inside the jitted step
+  (`update`), frozen after warm-up;
 - `SRSTE`, the method; `t_sr_ste` (Hu et al. 2024) extends it with a cached transposable mask.
 """
 from __future__ import annotations
@@ -16,13 +17,14 @@ import math
 from typing import Any
 
 import flax
+import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
 from absl import logging
 from flax import traverse_util
 
-from s24jax import hooks as hooks_lib
+from s24jax import hooks
 from s24jax.kernels import masks
 from s24jax import state as state_lib
 from s24jax.methods import base
@@ -59,47 +61,56 @@ def _sr_ste24_bwd(res, g):
 sr_ste24.defvjp(_sr_ste24_fwd, _sr_ste24_bwd)
 
 
-def masked_decay(is_sparse: Any) -> optax.GradientTransformationExtraArgs:
-  """updates += decay * (1 - m) * W on the leaves where `is_sparse` is True.
+@flax.struct.dataclass
+class ControllerState:
+  """The lambda_W warm-up controller's state (TrainState.method_state)."""
+  decay: jax.Array      # float32: lambda_W now
+  flip_ema: jax.Array   # float32: smoothed global flip rate
+  count: jax.Array      # int32: steps the controller acted
 
-  `decay` (lambda_W, a scalar) and `masks` (a params-shaped tree holding the mask the forward
-  pass used at the sparse leaves, None elsewhere) come from the train state each step as extra
-  arguments of `update` (`SRSTE.optimizer_args`). Without them (a dense fine-tuning step) the
-  transform leaves the updates alone.
-  """
+
+def masked_decay(owner: "SRSTE", is_sparse: Any) -> optax.GradientTransformationExtraArgs:
+  """updates += lambda_W * (1 - m) * W on the leaves where `is_sparse` is True, m the mask
+  the forward pass used (stored in the sparsity collection), lambda_W `owner`'s (fixed, or
+  the controller's in the method state). Both come from the step's extra arguments; a step
+  whose model is not sparse (dense fine-tuning) leaves the updates alone."""
 
   def init_fn(params):
     del params
     return optax.EmptyState()
 
-  def update_fn(updates, state, params=None, *, decay=None, masks=None, **extra):
+  def update_fn(updates, state, params=None, *, method=None, sparsity=None, method_state=None,
+                **extra):
     del extra
-    if decay is None:
+    if method is None or not method.sparse:
       return updates, state
-    if params is None or masks is None:
-      raise ValueError("masked_decay needs the params and the forward masks")
+    if params is None or sparsity is None:
+      raise ValueError("masked_decay needs the params and the sparsity collection")
+    decay = owner.current_decay(method_state)
+    forward = forward_masks(params, sparsity)
 
     def one(u, w, sparse, m):
       if not sparse:
         return u
       return u + (decay * jnp.where(m, 0, w)).astype(u.dtype)
 
-    return jax.tree.map(one, updates, params, is_sparse, masks,
+    return jax.tree.map(one, updates, params, is_sparse, forward,
                         is_leaf=lambda x: x is None), state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def forward_masks(params: Any, sparsity: Any) -> Any:
-  """A params-shaped tree with each sparse kernel's stored forward mask, None elsewhere."""
+  """A params-shaped tree with each sparse weight's stored forward mask (a kernel, or the
+  tied embedding 'wte'), None elsewhere."""
   flat = traverse_util.flatten_dict(flax.core.unfreeze(params))
-  sparse = {p + ("kernel",): state_lib.get_path(sparsity, p)["mask"]
-            for p in state_lib.sparse_layer_paths(sparsity)}
+  sparse = {key: state_lib.get_path(sparsity, key[:-1])["mask"]
+            for key in state_lib.sparse_weight_keys(params, sparsity)}
   return traverse_util.unflatten_dict({k: sparse.get(k) for k in flat})
 
 
 @dataclasses.dataclass(frozen=True)
-class SRSTE(base.Method):
+class SRSTE(base.Method, base.OptimizerTransforms):
   """Masked decay lambda_W (1 - m) W, at `decay_placement`; lambda_W fixed (`decay` > 0) or
   chosen in warm-up (`decay_auto`, with decay = 0)."""
   decay: float = 0.0                   # lambda_W; 0 with decay_auto: chosen in warm-up
@@ -134,9 +145,9 @@ class SRSTE(base.Method):
                          f"{self.decay_auto_band}, {self.decay_auto_rate}, "
                          f"{self.decay_auto_steps}")
 
-  def configure(self, config):
+  def configure(self, run):
     if self.controlled and not self.decay_auto_steps:   # lambda_W is chosen in warm-up
-      return dataclasses.replace(self, decay_auto_steps=int(config.optim.warmup_steps))
+      return dataclasses.replace(self, decay_auto_steps=run.warmup_steps)
     return self
 
   @property
@@ -159,80 +170,76 @@ class SRSTE(base.Method):
 
   # -- optimizer --------------------------------------------------------------------------------
 
-  def init_state(self):
+  def init_state(self, params, sparsity, rng):
+    del rng
     if not self.controlled:
-      return {}
-    return {"decay": jnp.asarray(self.decay_auto_init, jnp.float32),
-            "flip_ema": jnp.asarray(0.0, jnp.float32),
-            "count": jnp.asarray(0, jnp.int32)}
+      return params, sparsity, {}
+    return params, sparsity, ControllerState(
+        decay=jnp.asarray(self.decay_auto_init, jnp.float32),
+        flip_ema=jnp.asarray(0.0, jnp.float32), count=jnp.asarray(0, jnp.int32))
 
-  def current_decay(self, sparsity: Any) -> jax.Array:
+  def current_decay(self, method_state: Any) -> jax.Array:
     if self.controlled:
-      return sparsity[self.name]["decay"]
+      return method_state.decay
     return jnp.asarray(self.decay, jnp.float32)
 
   def optimizer_transforms(self, placement, is_sparse):
     if self.uses_decay and placement == self.decay_placement:
-      return [masked_decay(is_sparse)]
+      return [masked_decay(self, is_sparse)]
     return []
 
-  def optimizer_args(self, params, sparsity):
-    if not self.uses_decay or self.decay_placement == "backward":
-      return {}
-    return {"decay": self.current_decay(sparsity), "masks": forward_masks(params, sparsity)}
-
-  def after_update(self, params, sparsity, step):
-    decay = self.current_decay(sparsity) if self.uses_decay else None
-    params, sparsity, metrics = super().after_update(params, sparsity, step)
+  def update(self, before, after, grads):
+    decay = self.current_decay(before.method_state) if self.uses_decay else None
+    after, metrics = super().update(before, after, grads)
     if self.controlled:
-      sparsity = {**sparsity, self.name: self.control(
-          sparsity[self.name], metrics.get("flip_rate", jnp.nan), step)}
+      after = after.replace(method_state=self.control(
+          before.method_state, metrics.get("flip_rate", jnp.nan), before.step))
     if decay is not None:
       metrics["sparsity/decay"] = decay   # lambda_W used by this step
-    return params, sparsity, metrics
+    return after, metrics
 
-  def control(self, ctrl: dict[str, jax.Array], flip_rate: jax.Array, step: jax.Array
-              ) -> dict[str, jax.Array]:
+  def control(self, ctrl: ControllerState, flip_rate: jax.Array, step: jax.Array
+              ) -> ControllerState:
     """One controller step after optimizer step `step` (0-based) measured `flip_rate` (the
     global per-step rate; NaN: no measurement). Acts only while N/2 <= step < N."""
     r = jnp.asarray(flip_rate, jnp.float32)
     n = self.decay_auto_steps
     active = (step >= n // 2) & (step < n) & ~jnp.isnan(r)
-    ema = jnp.where(ctrl["count"] == 0, r, CONTROL_EMA * ctrl["flip_ema"] + (1 - CONTROL_EMA) * r)
-    lam = ctrl["decay"]
+    ema = jnp.where(ctrl.count == 0, r, CONTROL_EMA * ctrl.flip_ema + (1 - CONTROL_EMA) * r)
+    lam = ctrl.decay
     hi = self.decay_auto_target * self.decay_auto_band
     lo = self.decay_auto_target / self.decay_auto_band
     new_lam = jnp.where(ema > hi, jnp.minimum(lam * self.decay_auto_rate, MAX_DECAY),
                         jnp.where(ema < lo, jnp.maximum(lam / self.decay_auto_rate, MIN_DECAY),
                                   lam))
-    return {"decay": jnp.where(active, new_lam, lam).astype(jnp.float32),
-            "flip_ema": jnp.where(active, ema, ctrl["flip_ema"]).astype(jnp.float32),
-            "count": ctrl["count"] + active.astype(jnp.int32)}
+    return ControllerState(decay=jnp.where(active, new_lam, lam).astype(jnp.float32),
+                           flip_ema=jnp.where(active, ema, ctrl.flip_ema).astype(jnp.float32),
+                           count=ctrl.count + active.astype(jnp.int32))
 
   # -- the loop ---------------------------------------------------------------------------------
 
-  def hooks(self, config):
-    hooks = super().hooks(config)
+  def chores(self, run):
+    chores = super().chores(run)
     if self.controlled:
-      hooks.append(hooks_lib.Hook(self._log_chosen_decay, name="lambda_W frozen",
-                                  due=lambda step: step == self.decay_auto_steps))
-    return hooks
+      chores.append(hooks.Hook(self._log_chosen_decay, name="lambda_W frozen",
+                               due=lambda step: step == self.decay_auto_steps))
+    return chores
 
-  def never_in_band(self, ctrl: dict[str, Any]) -> bool:
+  def never_in_band(self, ctrl: ControllerState) -> bool:
     """True if the controller raised lambda_W at every step it acted (or hit MAX_DECAY): the
     smoothed flip rate never came down to the band. Any step that held or lowered lambda_W
     takes at least one factor of `rate` off log(lambda / init) / log(rate) = count."""
-    count, chosen = int(ctrl["count"]), float(ctrl["decay"])
+    count, chosen = int(ctrl.count), float(ctrl.decay)
     if count == 0:
       return False
     raised = math.log(chosen / self.decay_auto_init) / math.log(self.decay_auto_rate)
     return chosen >= MAX_DECAY * (1 - 1e-6) or raised > count - 0.5
 
-  def _log_chosen_decay(self, run) -> None:
-    ctrl = run.state.sparsity[self.name]
-    chosen = float(ctrl["decay"])
+  def _log_chosen_decay(self, ctx: hooks.Context) -> None:
+    ctrl = ctx.state.method_state
+    chosen = float(ctrl.decay)
     logging.info("step %d: end of the lambda_W warm-up controller; lambda_W frozen at %.4g",
-                 run.step, chosen)
+                 ctx.step, chosen)
     stuck = self.never_in_band(ctrl)
     if stuck:
       # Seen on the tiny Hu et al. recipe (README, "Hu et al. 2024"): with the decay fed into
@@ -242,11 +249,8 @@ class SRSTE(base.Method):
           "smoothed flip rate never came down to %.3g x %.3g. Past some value lambda_W no "
           "longer lowers it (Adam normalises the decayed gradient), so this lambda_W is likely "
           "far larger than needed; consider a fixed sparsity.%s.decay (the paper's: %s) or a "
-          "decay_auto_target nearer this run's flip rate.", int(ctrl["count"]),
+          "decay_auto_target nearer this run's flip rate.", int(ctrl.count),
           self.decay_auto_init, chosen, self.decay_auto_target, self.decay_auto_band,
           self.name, ", ".join(f"{k}: {v:g}" for k, v in PAPER_DECAY.items()))
-    run.write(run.step, {"sparsity/decay_chosen": chosen,
+    ctx.write(ctx.step, {"sparsity/decay_chosen": chosen,
                          "sparsity/decay_band_reached": float(not stuck)})
-
-
-base.register_method("sr_ste", SRSTE())

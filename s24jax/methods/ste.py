@@ -35,6 +35,3 @@ class STE(base.Method):
   def project(self, kernel, layer):
     del layer
     return ste24(kernel)
-
-
-base.register_method("ste", STE())

@@ -76,7 +76,7 @@ class TSRSTE(sr_ste.SRSTE):
   def project(self, kernel, layer):
     return masked_ste24(kernel, layer["mask"], self.backward_decay())
 
-  def update_masks(self, params, sparsity, step):
+  def refresh(self, params, sparsity, step):
     """Every step: the plain 2:4 mask of the updated W, its flip rate against the previous
     step's (`flip_rate`, the paper's r_t; what the lambda_W controller steers on). At a
     refresh (after every k-th step, k = mask_refresh_every, or when the plain mask drifted
@@ -116,6 +116,3 @@ class TSRSTE(sr_ste.SRSTE):
           {p: jnp.where(refresh, plain[p], base.layer_at(sparsity, p)["refresh_mask"])
            for p in paths})
     return sparsity, metrics
-
-
-base.register_method("t_sr_ste", TSRSTE())
