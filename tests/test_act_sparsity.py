@@ -11,12 +11,14 @@ import numpy as np
 import pytest
 
 from s24jax import act_sparsity
-from s24jax import loop, methods, projections
+from s24jax import loop
 from s24jax.kernels import masks
 from s24jax import model as model_lib
 from s24jax.act_sparsity import ActSparsityConfig
 from s24jax.model import GPT2, MLP, ModelConfig
 from s24jax.sparse_linear import SparsityConfig
+from s24jax.methods import registry
+from s24jax.methods import s_ste
 
 from tiny import tiny_config
 
@@ -100,7 +102,7 @@ def _mlp(projection="dense", act="none", mlp_ratio=4.0, **act_fields):
   act_fields = {"v": V, **act_fields}
   cfg = ModelConfig(vocab_size=64, seq_len=16, num_layers=1, num_heads=2, d_model=16,
                     mlp_ratio=mlp_ratio, activation="relu2",
-                    sparsity=SparsityConfig(method=methods.get_method(projection),
+                    sparsity=SparsityConfig(method=registry.get_method(projection),
                                             sparse_layers=("fc", "proj")),
                     act=ActSparsityConfig(kind=act, **act_fields))
   return MLP(cfg)
@@ -113,7 +115,7 @@ def _mlp_reference(variables, x, *, act_mask: bool, projected: bool):
   def weight(name):
     w = p[name]["kernel"]
     if projected:   # S-STE forward: beta * S(W) with the stored scale
-      return variables["sparsity"][name]["scale"] * projections.soft_threshold24(w)
+      return variables["sparsity"][name]["scale"] * s_ste.soft_threshold24(w)
     return w
 
   h = jnp.square(jax.nn.relu(x @ weight("fc").T + p["fc"]["bias"]))           # (B, T, H)

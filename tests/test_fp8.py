@@ -13,8 +13,8 @@ import pytest
 
 from s24jax import fp8
 from s24jax.kernels import masks
-from s24jax import projections
 from s24jax import sparse_ops
+from s24jax.methods import s_ste
 
 FORMATS = [(fp8.E4M3, ml_dtypes.float8_e4m3fn, 3), (fp8.E5M2, ml_dtypes.float8_e5m2, 2)]
 
@@ -141,7 +141,7 @@ def test_fp8_dot_rejects_mismatched_contraction():
 def _sparse_op_inputs(seed=0):
   k1, k2, k3 = jax.random.split(jax.random.PRNGKey(seed), 3)
   x = jax.random.normal(k1, (4, 8, 64))                                      # (B, T, in)
-  w = projections.soft_threshold24(jax.random.normal(k2, (48, 64)) * 0.05)   # (out, in) 2:4
+  w = s_ste.soft_threshold24(jax.random.normal(k2, (48, 64)) * 0.05)   # (out, in) 2:4
   dy = jax.random.normal(k3, (4, 8, 48))                                     # (B, T, out)
   return x, w, dy
 
@@ -201,7 +201,7 @@ def test_model_trains_with_fp8():
   c.optim.warmup_steps, c.optim.lr = 1, 1e-2
   _, model_cfg, tx_fn = loop.build(c)
   model = model_lib.GPT2(model_cfg)
-  state = jax.jit(lambda: train.init_state(model, tx_fn, 0))()
+  state = jax.jit(lambda: train.fresh_state(model, tx_fn, 0))()
   tokens = np.random.default_rng(0).integers(0, 64, size=(4, 9))
   batch = {"inputs": jnp.asarray(tokens[:, :-1]), "targets": jnp.asarray(tokens[:, 1:])}
   c.sparsity.fp8 = False

@@ -16,11 +16,11 @@ import pytest
 
 from s24jax import loop
 from s24jax.kernels import masks
-from s24jax import methods
 from s24jax import sparse_ops
 from s24jax import train
 from s24jax.model import GPT2
 from s24jax.sparse_linear import SparseLinear, SparsityConfig
+from s24jax.methods import registry
 
 from tiny import tiny_config
 
@@ -83,7 +83,7 @@ def test_layer_with_pallas_backend_matches_xla():
   x, dy = _normal(0, (2, tokens // 2, inp)), _normal(1, (2, tokens // 2, out))  # (B, T, in/out)
   results = {}
   for backend in ("xla", "pallas_always"):
-    cfg = SparsityConfig(method=methods.get_method("s_ste"), sparse_layers=("*",),
+    cfg = SparsityConfig(method=registry.get_method("s_ste"), sparse_layers=("*",),
                          backend=backend)
     layer = SparseLinear(out, cfg, name="fc")
     variables = flax.core.unfreeze(layer.init(jax.random.PRNGKey(1), x))
@@ -126,7 +126,7 @@ def _train_losses(backend, steps=3):
   c.model.vocab_size = 64
   _, model_cfg, tx_fn = loop.build(c)
   model = GPT2(model_cfg)
-  state = train.init_state(model, tx_fn, 0)
+  state = train.fresh_state(model, tx_fn, 0)
   tx = tx_fn(state.params, state.sparsity)
   rng = np.random.default_rng(0)
   losses = []

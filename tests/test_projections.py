@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from s24jax.kernels import masks
-from s24jax import projections
 from s24jax.methods import base
+from s24jax.methods import registry
+from s24jax.methods import s_ste
 
 
 def np_mask24(w):
@@ -34,7 +35,7 @@ def _rand(seed, shape=(8, 16)):
 
 
 def _fwd_bwd(name, w, seed=1, **fields):
-  proj = dataclasses.replace(projections.get_projection(name), **fields)
+  proj = dataclasses.replace(registry.get_method(name), **fields)
   state = proj.init_layer(jnp.asarray(w))
   g = _rand(seed, w.shape)
   y, vjp = jax.vjp(lambda w_: proj.project(w_, state), jnp.asarray(w))
@@ -82,7 +83,7 @@ def test_s_ste_forward_scale_and_straight_through_backward():
 def test_s_ste_scale_is_state_not_recomputed():
   """The forward uses the scale it is given (the frozen one), not one from the current w."""
   w = _rand(4)
-  proj = projections.get_projection("s_ste")
+  proj = registry.get_method("s_ste")
   y = proj.project(jnp.asarray(w), {"scale": jnp.float32(2.0)})
   np.testing.assert_allclose(np.asarray(y), 2.0 * np_soft_threshold(w), rtol=1e-6, atol=1e-7)
 
@@ -90,7 +91,7 @@ def test_s_ste_scale_is_state_not_recomputed():
 def test_masks_match_forward_support():
   w = _rand(5)
   for name in ("ste", "sr_ste", "s_ste"):
-    proj = projections.get_projection(name)
+    proj = registry.get_method(name)
     layer = proj.init_layer(jnp.asarray(w))
     y = proj.project(jnp.asarray(w), layer)
     np.testing.assert_array_equal(np.asarray(proj.mask(jnp.asarray(w), layer)),
@@ -99,7 +100,7 @@ def test_masks_match_forward_support():
 
 def test_unknown_projection_lists_valid_names():
   with pytest.raises(ValueError) as e:
-    projections.get_projection("s-ste")
+    registry.get_method("s-ste")
   for name in ("dense", "ste", "sr_ste", "s_ste"):
     assert name in str(e.value)
 
@@ -111,19 +112,19 @@ def test_register_plain_function_and_protect_builtins():
 
   half.defvjp(lambda w: (half(w), None), lambda _, g: (g,))
   try:
-    projections.register_projection("test_one_of_four", half)
-    proj = projections.get_projection("test_one_of_four")
-    assert "test_one_of_four" in projections.available_projections()
+    registry.register_projection("test_one_of_four", half)
+    proj = registry.get_method("test_one_of_four")
+    assert "test_one_of_four" in registry.available_methods()
     w = _rand(6)
     y = np.asarray(proj.project(jnp.asarray(w), {}))
     assert ((y != 0).reshape(-1, 4).sum(1) == 1).all()
     np.testing.assert_array_equal(np.asarray(proj.mask(jnp.asarray(w), {})), y != 0)
     with pytest.raises(ValueError, match="already registered"):
-      projections.register_projection("ste", half)
+      registry.register_projection("ste", half)
   finally:
-    base._REGISTRY.pop("test_one_of_four", None)
+    registry._REGISTRY.pop("test_one_of_four", None)
 
 
 def test_non_multiple_of_four_names_the_dimension():
   with pytest.raises(ValueError, match="multiple of 4"):
-    projections.soft_threshold24(jnp.ones((4, 6)))
+    s_ste.soft_threshold24(jnp.ones((4, 6)))

@@ -16,10 +16,10 @@ from s24jax import config as config_lib
 from s24jax import loop
 from s24jax.kernels import masks
 from s24jax import model as model_lib
-from s24jax import projections
 from s24jax import state as state_lib
 from s24jax import train
 from s24jax.methods import s_ste
+from s24jax.methods import ste
 
 
 def _soft_threshold_np(w: np.ndarray) -> np.ndarray:
@@ -44,7 +44,7 @@ def test_soft_threshold_hand_computed():
   want = np.array([[2.0, 0.0, 0.0, -1.0],
                    [0.0, 0.0, 0.0, 0.0],
                    [0.0, -4.0, 0.0, 2.5]], np.float32)
-  np.testing.assert_array_equal(projections.soft_threshold24(w), want)
+  np.testing.assert_array_equal(s_ste.soft_threshold24(w), want)
 
 
 @pytest.mark.parametrize("shape", [(3, 16), (2, 5, 8)])
@@ -55,7 +55,7 @@ def test_soft_threshold_matches_brute_force(shape):
   flat[0] = [0.3, -0.3, 0.3, 0.1]
   flat[1] = [0.0, 0.0, -0.2, 0.0]
   flat[2] = [-0.7, 0.7, 0.2, -0.2]
-  got = np.asarray(projections.soft_threshold24(jnp.asarray(w)))
+  got = np.asarray(s_ste.soft_threshold24(jnp.asarray(w)))
   np.testing.assert_allclose(got, _soft_threshold_np(w), rtol=0, atol=1e-6)
   # At most two survivors in every group of 4, and they are among the hard-threshold's kept.
   assert ((got.reshape(-1, 4) != 0).sum(-1) <= 2).all()
@@ -69,9 +69,9 @@ def test_soft_threshold_is_continuous_where_hard_threshold_jumps():
 
   below, above = group(-1e-3), group(1e-3)
   dw = float(jnp.max(jnp.abs(above - below)))
-  soft = float(jnp.max(jnp.abs(projections.soft_threshold24(above)
-                               - projections.soft_threshold24(below))))
-  hard = float(jnp.max(jnp.abs(projections.ste24(above) - projections.ste24(below))))
+  soft = float(jnp.max(jnp.abs(s_ste.soft_threshold24(above)
+                               - s_ste.soft_threshold24(below))))
+  hard = float(jnp.max(jnp.abs(ste.ste24(above) - ste.ste24(below))))
   assert hard > 0.49             # the hard threshold swaps which 0.5 it keeps: a jump
   assert soft <= 2 * dw + 1e-7   # the soft threshold moves by O(dw)
 
@@ -82,10 +82,10 @@ def test_soft_threshold_is_lipschitz():
   k1, k2 = jax.random.split(jax.random.PRNGKey(1))
   w = jax.random.normal(k1, (64, 32))
   d = 1e-2 * jax.random.normal(k2, (64, 32))
-  change = jnp.max(jnp.abs(projections.soft_threshold24(w + d) - projections.soft_threshold24(w)))
+  change = jnp.max(jnp.abs(s_ste.soft_threshold24(w + d) - s_ste.soft_threshold24(w)))
   assert float(change) <= 2 * float(jnp.max(jnp.abs(d))) + 1e-6
   # ...while the hard threshold flips some groups and jumps by far more than that.
-  hard_change = jnp.max(jnp.abs(projections.ste24(w + d) - projections.ste24(w)))
+  hard_change = jnp.max(jnp.abs(ste.ste24(w + d) - ste.ste24(w)))
   assert float(hard_change) > 10 * float(jnp.max(jnp.abs(d)))
 
 
@@ -97,7 +97,7 @@ def test_scale_is_least_squares_minimiser():
   w = np.asarray(jax.random.normal(jax.random.PRNGKey(2), (16, 24)))
   s = _soft_threshold_np(w)
   beta_lstsq = np.linalg.lstsq(s.reshape(-1, 1), w.reshape(-1), rcond=None)[0][0]
-  beta = float(projections.s_ste_scale(jnp.asarray(w)))
+  beta = float(s_ste.s_ste_scale(jnp.asarray(w)))
   np.testing.assert_allclose(beta, beta_lstsq, rtol=1e-5)
   # A scan over beta: the residual is smallest at (the grid point nearest) beta.
   grid = np.linspace(0.5 * beta, 1.5 * beta, 2001)
@@ -107,7 +107,7 @@ def test_scale_is_least_squares_minimiser():
 
 
 def test_scale_of_all_zero_tensor_is_one():
-  assert float(projections.s_ste_scale(jnp.zeros((4, 8)))) == 1.0
+  assert float(s_ste.s_ste_scale(jnp.zeros((4, 8)))) == 1.0
 
 
 def test_s_ste_forward_is_scaled_soft_threshold_and_backward_is_straight_through():
@@ -145,7 +145,7 @@ def _scales(sparsity) -> dict[tuple[str, ...], float]:
 def _fresh_state(config, seed):
   _, model_cfg, tx_fn = loop.build(config)
   model = model_lib.GPT2(model_cfg)
-  state = train.init_state(model, tx_fn, seed)
+  state = train.fresh_state(model, tx_fn, seed)
   return model, tx_fn(state.params, state.sparsity), state
 
 
@@ -155,7 +155,7 @@ def test_initial_scale_is_s_ste_scale_of_initial_kernel():
   assert [p[1:] for p in paths] == [("mlp", "fc"), ("mlp", "proj")]
   for p, beta in _scales(state.sparsity).items():
     kernel = state_lib.get_path(state.params, p)["kernel"]
-    np.testing.assert_allclose(beta, float(projections.s_ste_scale(kernel)), rtol=1e-6)
+    np.testing.assert_allclose(beta, float(s_ste.s_ste_scale(kernel)), rtol=1e-6)
 
 
 @pytest.mark.parametrize("rescale_every", [0, 3])
@@ -174,7 +174,7 @@ def test_scale_recomputed_exactly_every_k_steps(rescale_every):
     for p, beta in scales.items():
       kernel = state_lib.get_path(state.params, p)["kernel"]
       if rescale_every and step % rescale_every == 0:
-        np.testing.assert_allclose(beta, float(projections.s_ste_scale(kernel)), rtol=1e-6)
+        np.testing.assert_allclose(beta, float(s_ste.s_ste_scale(kernel)), rtol=1e-6)
         assert beta != previous[p], (step, p)     # the weights moved, so beta did too
       else:
         assert beta == previous[p], (step, p)     # untouched between recomputations

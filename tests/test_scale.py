@@ -33,11 +33,11 @@ def _losses(workdir, key="train/loss"):
   return out
 
 
-def _setup(projection="dense", **overrides):
-  cfg = tiny_config(projection, batch_size=8, **overrides)
+def _setup(method="dense", **overrides):
+  cfg = tiny_config(method, batch_size=8, **overrides)
   method, model_cfg, tx_fn = loop.build(cfg)
   model = model_lib.GPT2(model_cfg)
-  state = train.init_state(model, tx_fn, 0)
+  state = train.fresh_state(model, tx_fn, 0)
   tokens = np.random.default_rng(0).integers(0, 1000, (8, cfg.model.seq_len + 1))
   batch = {"inputs": jnp.asarray(tokens[:, :-1], jnp.int32),
            "targets": jnp.asarray(tokens[:, 1:], jnp.int32)}
@@ -243,7 +243,7 @@ def test_a_diverged_run_stops_and_keeps_a_finite_checkpoint(tmp_path, data_cache
   assert steps, "a finite checkpoint is kept"
   cfg = tiny_config("dense", workdir_cache=data_cache)
   _, model_cfg, tx_fn = loop.build(cfg)
-  fresh = train.init_state(model_lib.GPT2(model_cfg), tx_fn, 0)
+  fresh = train.fresh_state(model_lib.GPT2(model_cfg), tx_fn, 0)
   abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, fresh)
   for step in steps:   # every checkpoint left behind is finite
     ckpt = ckpt_lib.Checkpointer(workdir)
@@ -283,7 +283,10 @@ def test_scanned_blocks_equal_the_unrolled_model():
   # The method's per-layer work applies layer by layer to the stacked state: the S-STE
   # rescale gives each layer its own scale, and the flip rate counts every layer.
   method = dataclasses.replace(model_cfg.sparsity.method, rescale_every=1)
-  new = method.update_layers(vs["params"], vs["sparsity"], jnp.asarray(1))
+  before = state_lib.TrainState(step=jnp.asarray(0), params=vs["params"], opt_state=(),
+                                sparsity=vs["sparsity"], method_state={},
+                                rng=jax.random.key(0))
+  new = method.update(before, before.replace(step=jnp.asarray(1)), None)[0].sparsity
   want = [float(s) for i in range(3) for s in [v["sparsity"][f"h_{i}"]["mlp"]["fc"]["scale"]]]
   w = [v["params"][f"h_{i}"]["mlp"]["fc"]["kernel"] for i in range(3)]
   from s24jax.methods import s_ste   # pylint: disable=g-import-not-at-top
@@ -300,11 +303,11 @@ def test_planner_reports_memory_and_detects_xla_rematerialization(tmp_path):
   planner must say so."""
   code = r"""
 import json, sys
-from s24jax.kernels import aot, plan
+from s24jax import config_files, plan
+from s24jax.kernels import aot
 aot.start()
-from s24jax import compare
-cfg = compare.load_config(sys.argv[1], {"model.num_layers": 1, "model.num_heads": 2,
-                                        "model.d_model": 64, "model.vocab_size": 512})
+cfg = config_files.load_config(sys.argv[1], {"model.num_layers": 1, "model.num_heads": 2,
+                                             "model.d_model": 64, "model.vocab_size": 512})
 real = plan.plan(cfg, "h100", 1, search=False)
 small = real["total_bytes_per_device"] // 2
 plan.device_memory = lambda gpu: small

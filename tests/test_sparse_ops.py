@@ -21,7 +21,6 @@ from s24jax import flip_monitor
 from s24jax import losses
 from s24jax import loop
 from s24jax.kernels import masks
-from s24jax import methods
 from s24jax import model as model_lib
 from s24jax import sparse_ops
 from s24jax import state as state_lib
@@ -29,6 +28,8 @@ from s24jax import train
 from s24jax.methods import sr_ste
 from s24jax.model import GPT2
 from s24jax.sparse_linear import SparseLinear, SparsityConfig
+from s24jax.methods import base
+from s24jax.methods import registry
 
 from tiny import tiny_config
 
@@ -49,7 +50,7 @@ def _mm(a, b):
 
 def test_sparse_linear_layer_gradients_equal_dense_masked_reference():
   """Through SparseLinear (the dispatch point) with t_sr_ste, MVUE off: all three GEMMs."""
-  cfg = SparsityConfig(method=methods.get_method("t_sr_ste"), sparse_layers=("*",))
+  cfg = SparsityConfig(method=registry.get_method("t_sr_ste"), sparse_layers=("*",))
   layer = SparseLinear(8, cfg, name="fc")
   x = _normal(0, (2, 4, 12))                                     # (B, T, in)
   variables = flax.core.unfreeze(layer.init(jax.random.PRNGKey(1), x))
@@ -145,7 +146,7 @@ def _tiny(projection, **overrides):
 def _fresh(config):
   _, model_cfg, tx_fn = loop.build(config)
   model = GPT2(model_cfg)
-  state = train.init_state(model, tx_fn, config.seed)
+  state = train.fresh_state(model, tx_fn, config.seed)
   return model, tx_fn(state.params, state.sparsity), state
 
 
@@ -234,23 +235,29 @@ def test_t_sr_ste_drift_refresh_follows_the_weights():
 
 
 def test_masked_decay_uses_the_mask_the_forward_used():
-  """sr_ste.masked_decay with masks= (the cached forward mask), not nm_mask(W)."""
+  """sr_ste.masked_decay reads the stored forward mask (a cached one), not nm_mask(W), and
+  lambda_W from the method; it does nothing in a step whose model is dense."""
   w = _normal(11, (4, 8))
-  params, is_sparse = {"k": w, "b": jnp.ones(3)}, {"k": True, "b": False}
+  params = {"k": {"kernel": w, "bias": jnp.ones(3)}}
+  is_sparse = {"k": {"kernel": True, "bias": False}}
   cached = masks.nm_mask(_normal(12, (4, 8)))                     # differs from nm_mask(w)
   assert (cached != masks.nm_mask(w)).any()
-  tx = sr_ste.masked_decay(is_sparse)
+  method = dataclasses.replace(registry.get_method("sr_ste"), decay=0.25)
+  tx = sr_ste.masked_decay(method, is_sparse)
+  sparsity = {"k": {"mask": cached}}
   zeros = jax.tree.map(jnp.zeros_like, params)
-  upd, _ = tx.update(zeros, tx.init(params), params, masks={"k": cached, "b": None},
-                     decay=jnp.float32(0.25))
-  np.testing.assert_allclose(upd["k"], 0.25 * np.where(cached, 0, w), rtol=1e-6)
-  np.testing.assert_array_equal(upd["b"], 0)
+  upd, _ = tx.update(zeros, tx.init(params), params, method=method, sparsity=sparsity,
+                     method_state={})
+  np.testing.assert_allclose(upd["k"]["kernel"], 0.25 * np.where(cached, 0, w), rtol=1e-6)
+  np.testing.assert_array_equal(upd["k"]["bias"], 0)
   ones = jax.tree.map(jnp.ones_like, params)
-  upd, _ = tx.update(ones, tx.init(params), params)   # no decay given (dense phase): no-op
-  np.testing.assert_array_equal(upd["k"], 1)
-  np.testing.assert_array_equal(upd["b"], 1)
-  with pytest.raises(ValueError, match="masks"):        # a decay without the forward masks
-    tx.update(zeros, tx.init(params), params, decay=jnp.float32(0.25))
+  dense = registry.get_method("dense")                             # a dense fine-tuning step
+  upd, _ = tx.update(ones, tx.init(params), params, method=dense, sparsity=sparsity,
+                     method_state={})
+  np.testing.assert_array_equal(upd["k"]["kernel"], 1)
+  np.testing.assert_array_equal(upd["k"]["bias"], 1)
+  with pytest.raises(ValueError, match="sparsity collection"):    # no forward masks given
+    tx.update(zeros, tx.init(params), params, method=method)
 
 
 def test_mvue_keys_differ_per_step_and_repeat_within_a_step():
@@ -295,18 +302,23 @@ def _controller_reference(rs, steps, cfg):
   return out
 
 
+def _controller_start(method):
+  """The method state a fresh run starts with (init_state on empty params)."""
+  return method.init_state({}, {}, jax.random.key(0))[2]
+
+
 def test_decay_controller_on_synthetic_flip_rates():
-  cfg = dataclasses.replace(methods.get_method("sr_ste"), decay_auto=True, decay_auto_init=1e-4,
+  cfg = dataclasses.replace(registry.get_method("sr_ste"), decay_auto=True, decay_auto_init=1e-4,
                             decay_auto_target=1e-2, decay_auto_band=2.0, decay_auto_rate=1.5,
                             decay_auto_steps=76)          # adapts during steps [38, 76)
   # ignored (first half), explode (10x target), collapse to 0, no measurements, in band, frozen
   rs = [1.0] * 3 + [0.1] * 6 + [0.0] * 20 + [np.nan] * 3 + [0.01] * 9 + [1.0] * 5
   steps = list(range(35, 35 + len(rs)))
-  ctrl, got = cfg.init_state(), []
+  ctrl, got = _controller_start(cfg), []
   update = jax.jit(cfg.control)
   for step, r in zip(steps, rs):
     ctrl = update(ctrl, jnp.float32(r), jnp.int32(step))
-    got.append(float(ctrl["decay"]))
+    got.append(float(ctrl.decay))
   np.testing.assert_allclose(got, _controller_reference(rs, steps, cfg), rtol=1e-5)
   # The behaviour in words (band [5e-3, 2e-2], EMA 0.8), o = offset of the first active step:
   o = 3
@@ -318,41 +330,41 @@ def test_decay_controller_on_synthetic_flip_rates():
   assert got[o + 26] == got[o + 27] == got[o + 28] == got[o + 25]  # no measurement
   assert len(set(got[o + 31:o + 38])) == 1                     # back in the band: hold
   assert set(got[o + 38:]) == {got[o + 37]}                    # frozen, even when exploding
-  assert int(ctrl["count"]) == 6 + 20 + 9
+  assert int(ctrl.count) == 6 + 20 + 9
 
 
 def test_controller_warns_when_the_flip_rate_never_reaches_the_band(monkeypatch):
   """At the freeze the hook says so (warning + sparsity/decay_band_reached = 0) when lambda_W
   rose at every controller step, and stays quiet when it ever held or fell."""
-  cfg = dataclasses.replace(methods.get_method("t_sr_ste"), name="t_sr_ste", decay_auto=True,
+  cfg = dataclasses.replace(registry.get_method("t_sr_ste"), name="t_sr_ste", decay_auto=True,
                             decay_auto_init=1e-4, decay_auto_target=1e-2, decay_auto_rate=1.5,
                             decay_auto_steps=20)   # adapts during steps [10, 20)
   update = jax.jit(cfg.control)
 
   def freeze(rates):
-    ctrl = cfg.init_state()
+    ctrl = _controller_start(cfg)
     for step, r in enumerate(rates):
       ctrl = update(ctrl, jnp.float32(r), jnp.int32(step))
     warnings, written = [], {}
     monkeypatch.setattr(sr_ste.logging, "warning", lambda *a: warnings.append(a))
-    run = types.SimpleNamespace(state=types.SimpleNamespace(sparsity={"t_sr_ste": ctrl}),
+    ctx = types.SimpleNamespace(state=types.SimpleNamespace(method_state=ctrl),
                                 step=20, write=lambda step, m: written.update(m))
-    cfg._log_chosen_decay(run)   # pylint: disable=protected-access
+    cfg._log_chosen_decay(ctx)   # pylint: disable=protected-access
     return ctrl, warnings, written
 
   ctrl, warnings, written = freeze([0.5] * 20)          # 50x the target throughout: up, up, ...
-  assert float(ctrl["decay"]) == pytest.approx(1e-4 * 1.5 ** 10, rel=1e-5)
+  assert float(ctrl.decay) == pytest.approx(1e-4 * 1.5 ** 10, rel=1e-5)
   assert len(warnings) == 1 and written["sparsity/decay_band_reached"] == 0.0
   assert written["sparsity/decay_chosen"] == pytest.approx(1e-4 * 1.5 ** 10, rel=1e-5)
   # Steps whose smoothed rate is inside the band hold lambda_W: the band counts as reached.
   ctrl, warnings, written = freeze([0.5] * 10 + [0.01] * 9 + [0.5])
-  assert float(ctrl["decay"]) < 1e-4 * 1.5 ** 9
+  assert float(ctrl.decay) < 1e-4 * 1.5 ** 9
   assert not warnings and written["sparsity/decay_band_reached"] == 1.0
   # Capped at MAX_DECAY: stuck too, whatever the count.
-  capped = {"decay": jnp.float32(sr_ste.MAX_DECAY), "count": jnp.int32(500),
-            "flip_ema": jnp.float32(0.5)}
+  capped = sr_ste.ControllerState(decay=jnp.float32(sr_ste.MAX_DECAY), count=jnp.int32(500),
+                                  flip_ema=jnp.float32(0.5))
   assert cfg.never_in_band(capped)
-  assert not cfg.never_in_band(cfg.init_state())        # never acted: nothing to say
+  assert not cfg.never_in_band(_controller_start(cfg))   # never acted: nothing to say
 
 
 def test_decay_controller_wired_into_training_and_frozen_after_warmup():
@@ -361,29 +373,29 @@ def test_decay_controller_wired_into_training_and_frozen_after_warmup():
   config = _tiny("sr_ste", sparsity__sr_ste__decay=0.0, sparsity__sr_ste__decay_auto=True,
                  sparsity__sr_ste__decay_auto_target=1e-7, sparsity__sr_ste__decay_auto_rate=2.0,
                  sparsity__sr_ste__decay_auto_init=1e-3, optim__warmup_steps=6)
-  assert methods.from_config(config).decay_auto_steps == 6   # 0 -> the warm-up
+  assert registry.from_config(config).decay_auto_steps == 6   # 0 -> the warm-up
   model, tx, state = _fresh(config)
   rng, lams = np.random.default_rng(2), []
   for _ in range(8):
     state, metrics = train.train_step(state, _batch(rng), model=model, tx=tx)
     # the lambda this step used is the controller's value before the step
     assert float(metrics["sparsity/decay"]) == pytest.approx(lams[-1] if lams else 1e-3)
-    lams.append(float(state.sparsity["sr_ste"]["decay"]))   # the controller's state
+    lams.append(float(state.method_state.decay))   # the controller's state
   np.testing.assert_allclose(lams, [1e-3] * 3 + [2e-3, 4e-3, 8e-3, 8e-3, 8e-3], rtol=1e-6)
 
 
 def test_fixed_decay_overrides_auto():
-  cfg = dataclasses.replace(methods.get_method("sr_ste"), decay=6e-5, decay_auto=True)
-  assert not cfg.controlled and cfg.init_state() == {}
+  cfg = dataclasses.replace(registry.get_method("sr_ste"), decay=6e-5, decay_auto=True)
+  assert not cfg.controlled and _controller_start(cfg) == {}
   assert cfg.current_decay({}) == np.float32(6e-5)
-  assert dataclasses.replace(methods.get_method("t_sr_ste"), decay_auto=True).controlled
+  assert dataclasses.replace(registry.get_method("t_sr_ste"), decay_auto=True).controlled
   # ste takes no masked decay: decay_auto in a config whose method is ste gives no controller.
-  ste = methods.from_config(_tiny("ste", sparsity__sr_ste__decay_auto=True))
-  assert ste.name == "ste" and ste.init_state() == {}
+  ste = registry.from_config(_tiny("ste", sparsity__sr_ste__decay_auto=True))
+  assert ste.name == "ste" and _controller_start(ste) == {}
   assert not getattr(ste, "controlled", False)
-  assert ste.optimizer_transforms("gradients", {}) == ste.optimizer_transforms("weights", {}) == []
+  assert not isinstance(ste, base.OptimizerTransforms)   # no transforms in its optimizer
   with pytest.raises(ValueError, match="placement"):
-    dataclasses.replace(methods.get_method("sr_ste"), decay_auto=True,
+    dataclasses.replace(registry.get_method("sr_ste"), decay_auto=True,
                         decay_placement="backward")
 
 

@@ -16,8 +16,8 @@ import pytest
 from flax import traverse_util
 
 from s24jax import checkpoint as ckpt_lib
-from s24jax import compare
-from s24jax import loop, train
+from s24jax import config_files
+from s24jax import loop, phases, train
 from s24jax import model as model_lib
 from s24jax import state as state_lib
 
@@ -102,14 +102,14 @@ def test_dense_finetuning_switches_phase_and_starts_from_projected_weights(tmp_p
 
 def test_entering_dense_finetuning_projected_or_latent():
   method, model_cfg, tx_fn = loop.build(tiny_config("s_ste"))
-  st = train.init_state(model_lib.GPT2(model_cfg), tx_fn, 0)
+  st = train.fresh_state(model_lib.GPT2(model_cfg), tx_fn, 0)
   # 'latent' (the default, the reference code's): the dense phase continues from W itself.
   assert model_cfg.dense_twin().sparsity.dense_finetune_init == "latent"
-  assert method.enter(st, model_cfg.dense_twin()) is st
+  assert phases.enter(st, model_cfg, model_cfg.dense_twin()) is st
   dense = model_cfg.dense_twin()
   dense = dataclasses.replace(dense, sparsity=dataclasses.replace(
       dense.sparsity, dense_finetune_init="projected"))
-  projected = method.enter(st, dense).params
+  projected = phases.enter(st, model_cfg, dense).params
   for path in state_lib.sparse_layer_paths(st.sparsity):
     kernel = state_lib.get_path(st.params, path)["kernel"]
     layer = state_lib.get_path(st.sparsity, path)
@@ -119,7 +119,7 @@ def test_entering_dense_finetuning_projected_or_latent():
     np.testing.assert_allclose(state_lib.get_path(projected, path)["kernel"], want, rtol=1e-6)
   np.testing.assert_array_equal(projected["wte"]["embedding"], st.params["wte"]["embedding"])
   # Moving between two sparse models (e.g. an attention window) changes nothing.
-  assert method.enter(st, model_cfg) is st
+  assert phases.enter(st, model_cfg, model_cfg) is st
 
 
 _MULTI = r"""
@@ -127,6 +127,7 @@ import json, sys
 sys.path.insert(0, {tests!r})
 import jax
 from s24jax import loop
+from s24jax import phases
 from tiny import tiny_config
 assert jax.device_count() == 4, jax.devices()
 loop.train_and_evaluate(tiny_config("sr_ste", steps=4, workdir_cache={cache!r},
@@ -159,7 +160,7 @@ def test_sigkill_and_restart_reaches_the_same_losses(uninterrupted, tmp_path, da
          os.path.join(REPO, "experiments", "gpt2_s_ste.py") + ":tiny", "--workdir", workdir]
   # the test config, expressed as --config overrides of the experiment file's tiny variant
   want = _flat(tiny_config("s_ste", steps=6, workdir_cache=data_cache))
-  have = _flat(compare.load_config(cmd[3]))
+  have = _flat(config_files.load_config(cmd[3]))
   cmd += [f"--config.{k}={v}" for k, v in want.items() if have.get(k) != v]
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   proc = subprocess.Popen(cmd + ["--config.stop_at_step=-1"], env=env, cwd=REPO,
