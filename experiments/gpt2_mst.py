@@ -1,6 +1,6 @@
 """Mixed Sparsity Training (Hu, Li, Huang) as the authors' code does it: dynamic sparse training
 of every linear layer and the tied LM head, with Sparsity Variation and Hybrid Sparse Attention
-(docs/algorithms.md, MST; s24jax/methods/mst.py).
+(docs/algorithms.md, MST; s24jax/methods/mst/).
 
   python launch.py --config experiments/gpt2_mst.py:tiny --workdir runs/mst_tiny
   python -m s24jax.flops experiments/gpt2_mst.py:124m        # planned FLOPs, no training

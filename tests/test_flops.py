@@ -8,7 +8,7 @@ import pytest
 from tiny import tiny_config
 
 from s24jax import flops
-from s24jax.methods import mst
+from s24jax.methods.mst import densities
 
 
 def _config(activation="gelu", **mst_overrides):
@@ -104,7 +104,8 @@ def test_planned_mst_run_constant_sparsity():
                    sparse_attention_end=0.75)
   model_cfg, shapes, masked = flops.model_shapes(config)
   sizes = {k: o * i for k, (o, i) in masked.items()}
-  er = mst.layer_sparsities({k: masked[k] for k in mst.reference_order(masked)}, s)
+  er = densities.layer_sparsities({k: masked[k] for k in densities.reference_order(masked)},
+                                 s)
   counts = {k: n - int(er[k] * n) for k, n in sizes.items()}
   B, T, L, C = config.batch_size, config.model.seq_len, 2, 32
   size = sum(o * i for o, i in shapes.values())
