@@ -3,7 +3,8 @@
   python launch.py --config experiments/gpt2_s_ste.py:tiny --workdir runs/demo
   python launch.py --config experiments/gpt2_s_ste.py --config.total_steps=1000
 
-`--config.path.to.field=value` overrides any field. Running the same command again resumes
+`--config.path.to.field=value` overrides any field (values are read as every s24jax command
+line reads them: s24jax/config_files.py). Running the same command again resumes
 from the last checkpoint in the workdir. A non-finite loss or gradient norm stops the run with
 exit code 1 and a message naming the step and the last good checkpoint.
 
@@ -23,10 +24,11 @@ import os
 import sys
 
 from absl import app, flags, logging
-from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file[:variant].",
-                                          lock_config=True)
+from s24jax import config_files
+
+_CONFIG = flags.DEFINE_string("config", None, "Experiment config file[:variant]; "
+                              "--config.path.to.field=value overrides a field (repeatable).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (checkpoints, logs, plots). "
                                "Default: runs/<config name>[_<variant>].")
 _DISTRIBUTED = flags.DEFINE_bool("distributed", False, "Call jax.distributed.initialize().")
@@ -37,6 +39,25 @@ _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index.")
 
 _OURS = (os.path.join(os.path.dirname(os.path.abspath(__file__)), "s24jax") + os.sep,
          os.path.abspath(__file__))
+_OVERRIDE_PREFIXES = ("--config.", "-config.")
+_overrides: list[str] = []   # 'path.to.field=value' items of --config.path.to.field=value
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, with the --config.FIELD=VALUE overrides taken out first: they are
+  parsed against the loaded config (s24jax/config_files.py), not by absl."""
+  rest = []
+  for i, arg in enumerate(argv):
+    if arg == "--":
+      rest += argv[i:]
+      break
+    if i and arg.startswith(_OVERRIDE_PREFIXES):
+      if "=" not in arg:
+        sys.exit(f"FATAL Flags parsing error: {arg} needs a value: {arg}=VALUE")
+      _overrides.append(arg.split(".", 1)[1])
+    else:
+      rest.append(arg)
+  return app.parse_flags_with_usage(rest)
 
 
 def default_workdir(config_arg: str) -> str:
@@ -70,7 +91,11 @@ def _route_logs(workdir: str, process: int = 0) -> str:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  workdir = _WORKDIR.value or default_workdir(config_flags.get_config_filename(flags.FLAGS["config"]))
+  try:
+    config = config_files.load_config(_CONFIG.value, args=_overrides)
+  except config_files.OverrideError as e:
+    raise app.UsageError(str(e)) from None
+  workdir = _WORKDIR.value or default_workdir(_CONFIG.value)
   log_path = _route_logs(workdir, _PROCESS_ID.value or 0)
   from s24jax.kernels import aot  # pylint: disable=g-import-not-at-top
   aot.cpu_unless_gpu()   # no CUDA start-up noise where the optional compile plugin sits idle
@@ -85,7 +110,7 @@ def main(argv):
                jax.__version__, jax.device_count(), jax.default_backend(), jax.process_count(),
                workdir, log_path)
   try:
-    final = loop.train_and_evaluate(_CONFIG.value, workdir)
+    final = loop.train_and_evaluate(config, workdir)
   except loop.NonFiniteError as e:
     logging.error("%s", e)
     sys.exit(1)
@@ -97,4 +122,4 @@ def main(argv):
 
 if __name__ == "__main__":
   flags.mark_flags_as_required(["config"])
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

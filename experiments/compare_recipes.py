@@ -32,7 +32,7 @@ import os
 
 import numpy as np
 
-from s24jax import compare
+from s24jax import config_files
 from s24jax import metrics as metrics_lib
 from s24jax.methods import base as methods_base
 
@@ -61,7 +61,7 @@ def run_one(name: str, seed: int, corpus: str, root: str, corpus_dir: str) -> st
   if not os.path.exists(os.path.join(workdir, "final_metrics.json")):
     from s24jax import loop   # pylint: disable=g-import-not-at-top
     data = {} if corpus == "shakespeare" else {"data.path": corpus_dir, "data.name": "text_folder"}
-    config = compare.load_config(spec, {**overrides, **data, "seed": seed})
+    config = config_files.load_config(spec, {**overrides, **data, "seed": seed})
     print(f"== {corpus} {name} seed {seed}", flush=True)
     loop.train_and_evaluate(config, workdir)
   return workdir
@@ -71,7 +71,7 @@ def summary(workdir: str, spec: str, overrides: dict) -> dict[str, float]:
   with open(os.path.join(workdir, "final_metrics.json"), encoding="utf-8") as f:
     final = json.load(f)
   out = {"val": final["val/loss"], "mvue_share": final.get("perf/mvue_time_share")}
-  cfg = compare.load_config(spec, overrides)
+  cfg = config_files.load_config(spec, overrides)
   start = methods_base.dense_finetune_start(cfg)
   if start < cfg.total_steps:   # the train-loss jump at the switch to dense fine-tuning
     steps, loss = metrics_lib.series(metrics_lib.read_jsonl(

@@ -28,6 +28,7 @@ import os
 import numpy as np
 
 from s24jax import compare
+from s24jax import config_files
 from s24jax import metrics as metrics_lib
 from s24jax.methods import base as methods_base
 
@@ -35,11 +36,11 @@ VENOM = "experiments/gpt2_venom.py:tiny"
 STATS = {"act_sparsity.stats_sequences": 16}
 
 RUNS = [
-    compare.Run("gelu_dense", "experiments/gpt2_dense.py:tiny", dict(STATS)),
-    compare.Run("relu2_dense", "experiments/gpt2_relu2_dense.py:tiny", dict(STATS)),
-    compare.Run("relu2_act_vnm", VENOM, {**STATS, "sparsity.method": "dense"}),
-    compare.Run("relu2_w24", VENOM, {**STATS, "act_sparsity.kind": "none"}),
-    compare.Run("venom_recipe", VENOM, dict(STATS)),
+    compare.RunSpec("gelu_dense", "experiments/gpt2_dense.py:tiny", dict(STATS)),
+    compare.RunSpec("relu2_dense", "experiments/gpt2_relu2_dense.py:tiny", dict(STATS)),
+    compare.RunSpec("relu2_act_vnm", VENOM, {**STATS, "sparsity.method": "dense"}),
+    compare.RunSpec("relu2_w24", VENOM, {**STATS, "act_sparsity.kind": "none"}),
+    compare.RunSpec("venom_recipe", VENOM, dict(STATS)),
 ]
 
 
@@ -48,7 +49,7 @@ def _extra_table(runs, root: str) -> str:
   lines = ["| run | zeros_mean | kept_l1_mean | val_sparse_end (step) |", "|---|---|---|---|"]
   for r in runs:
     records = metrics_lib.read_jsonl(os.path.join(root, r.name, "metrics.jsonl"))
-    cfg = compare.load_config(r.config, r.overrides)
+    cfg = config_files.load_config(r.config, r.overrides)
     dense_from = methods_base.dense_finetune_start(cfg)
     _, zeros = metrics_lib.series(records, "act/zero_frac")
     _, kept = metrics_lib.series(records, "act/kept_l1")

@@ -2,52 +2,37 @@
 
     from s24jax import compare
     table = compare.run_all([
-        compare.Run("dense", "experiments/gpt2_dense.py:tiny"),
-        compare.Run("ste", "experiments/gpt2_ste.py:tiny", {"sparsity.decay": 0.0}),
+        compare.RunSpec("dense", "experiments/gpt2_dense.py:tiny"),
+        compare.RunSpec("sr_ste", "experiments/gpt2_sr_ste.py:tiny",
+                        {"sparsity.sr_ste.decay": 6e-5}),
     ], root="runs/compare")
     print(table)
 
 Each run goes to its own workdir under `root` (resumed, not redone, if already finished),
 and the table reports final train/val loss, the unigram entropy, the flip rate at the end
-and its peak, tokens/s and wall time. Extra columns come from `extra_keys`.
+and its peak, tokens/s and wall time. Extra columns come from `extra_keys`. Overrides are
+type-checked like every command line's (s24jax/config_files.py).
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
-import importlib.util
 import json
 import os
 import time
 from typing import Any, Sequence
 
-import ml_collections
-
+from s24jax import config_files
+from s24jax import loop
 from s24jax import metrics as metrics_lib
 
 
 @dataclasses.dataclass
-class Run:
+class RunSpec:
+  """One run of a comparison: its name (the workdir under the root), config and overrides."""
   name: str
   config: str                                   # "path/to/file.py[:variant]"
-  overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-
-def load_config(spec: str, overrides: dict[str, Any] | None = None) -> ml_collections.ConfigDict:
-  """Loads `file.py[:variant]` like launch.py does and applies dotted-key overrides."""
-  path, _, variant = spec.partition(":")
-  mod_spec = importlib.util.spec_from_file_location("_s24jax_cfg", path)
-  module = importlib.util.module_from_spec(mod_spec)
-  mod_spec.loader.exec_module(module)
-  config = module.get_config(variant or None)
-  for key, value in (overrides or {}).items():
-    node = config
-    *parents, leaf = key.split(".")
-    for p in parents:
-      node = node[p]
-    if leaf not in node:
-      raise KeyError(f"override {key!r}: no such config field")
-    node[leaf] = value
-  return config
+  overrides: dict[str, Any] = dataclasses.field(default_factory=dict)   # dotted path -> value
 
 
 def _summary(workdir: str, wall: float, extra_keys: Sequence[str]) -> dict[str, Any]:
@@ -70,10 +55,9 @@ def _summary(workdir: str, wall: float, extra_keys: Sequence[str]) -> dict[str, 
   return row
 
 
-def run_all(runs: Sequence[Run], root: str, *, extra_keys: Sequence[str] = (),
+def run_all(runs: Sequence[RunSpec], root: str, *, extra_keys: Sequence[str] = (),
             log=print) -> str:
   """Trains every run (skipping finished ones) and returns a markdown table."""
-  from s24jax import loop  # pylint: disable=g-import-not-at-top
   rows = []
   for r in runs:
     workdir = os.path.join(root, r.name)
@@ -81,7 +65,7 @@ def run_all(runs: Sequence[Run], root: str, *, extra_keys: Sequence[str] = (),
     done = os.path.exists(os.path.join(workdir, "final_metrics.json"))
     if not done:
       log(f"== {r.name}: {r.config} {r.overrides}")
-      loop.train_and_evaluate(load_config(r.config, r.overrides), workdir)
+      loop.train_and_evaluate(config_files.load_config(r.config, r.overrides), workdir)
     rows.append((r, _summary(workdir, time.time() - t0 if not done else float("nan"),
                              extra_keys)))
   return markdown_table(rows, extra_keys)
@@ -110,7 +94,7 @@ def markdown_table(rows, extra_keys: Sequence[str] = ()) -> str:
   return "\n".join(lines)
 
 
-def script_main(description: str, runs: Sequence[Run], default_root: str, *,
+def script_main(description: str, runs: Sequence[RunSpec], default_root: str, *,
                 extra_keys: dict[str, str] | None = None, appendix=None, argv=None) -> str:
   """The shared command line of the experiments/compare_*.py scripts.
 
@@ -118,7 +102,6 @@ def script_main(description: str, runs: Sequence[Run], default_root: str, *,
   the table (extra columns renamed per `extra_keys` {metric: column}), followed by
   `appendix(runs, root)` if given, and writes it to ROOT/table.md.
   """
-  import argparse  # pylint: disable=g-import-not-at-top
   parser = argparse.ArgumentParser(description=description)
   parser.add_argument("--root", default=default_root)
   parser.add_argument("--steps", type=int, default=0,
@@ -132,7 +115,7 @@ def script_main(description: str, runs: Sequence[Run], default_root: str, *,
       raise SystemExit(f"unknown runs {unknown}; valid: {', '.join(r.name for r in runs)}")
     runs = [r for r in runs if r.name in names]
   if args.steps:
-    runs = [Run(r.name, r.config, {**r.overrides, "total_steps": args.steps}) for r in runs]
+    runs = [RunSpec(r.name, r.config, {**r.overrides, "total_steps": args.steps}) for r in runs]
   extra_keys = extra_keys or {}
   table = run_all(runs, args.root, extra_keys=tuple(extra_keys))
   for key, short in extra_keys.items():

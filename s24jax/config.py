@@ -30,7 +30,7 @@ GPT2_SIZES = {
     "1558m": (48, 25, 1600),
 }
 VARIANTS = ("tiny",) + tuple(GPT2_SIZES)
-# The embedded corpus (s24jax/datasets/text_corpus.py builds it) and its held-out share.
+# The embedded corpus (s24jax/data/text_corpus.py builds it) and its held-out share.
 EMBEDDED_CORPUS = "shakespeare"
 DEFAULT_VAL_FRACTION = 0.1
 

@@ -24,14 +24,14 @@ The dense reference of a run is the same config with every kernel dense, dense c
 attention at every step and no topology updates. MFU (s24jax/metrics.py) divides by the
 dense count of this same model (`dense_flops_per_token`): there is one FLOP model.
 
-    python -m s24jax.flops experiments/gpt2_mst.py:124m
+    python -m s24jax.flops experiments/gpt2_mst.py:124m [path.to.field=value ...]
 
 prints the planned totals of a config without training (an MST run's active counts follow
-from its schedule alone, so the plan equals what the loop logs).
+from its schedule alone, so the plan equals what the loop logs); overrides are read as in
+s24jax/config_files.py.
 """
 from __future__ import annotations
 
-import ast
 import dataclasses
 import sys
 from typing import Any, Mapping
@@ -40,11 +40,10 @@ import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
-import numpy as np
 from flax import traverse_util
 
 from s24jax import attention_masks
-from s24jax import compare
+from s24jax import config_files
 from s24jax import model as model_lib
 from s24jax import state as state_lib
 
@@ -212,26 +211,16 @@ def planned(config, upto: int | None = None) -> Accountant:
 
 
 def _main(argv) -> None:
-  if len(argv) < 2:
-    raise SystemExit("usage: python -m s24jax.flops experiments/X.py[:variant] [key=value ...]")
-  config = compare.load_config(argv[1], _parse_overrides(argv[2:]))
+  if len(argv) < 2 or argv[1] in ("-h", "--help"):
+    raise SystemExit("usage: python -m s24jax.flops experiments/X.py[:variant] "
+                     "[path.to.field=value ...]  (values: s24jax/config_files.py)")
+  try:
+    config = config_files.load_config(argv[1], args=argv[2:])
+  except config_files.OverrideError as e:
+    raise SystemExit(f"s24jax.flops: {e}") from None
   s = summary(planned(config))
   for k, v in s.items():
     print(f"{k:26s} {v:.4g}")
-
-
-def _parse_overrides(items) -> dict[str, Any]:
-  """'a.b=3' -> {'a.b': 3}: Python literals (ints, floats, tuples such as
-  "sparsity.sparse_layers=('*/attn/*','*/mlp/*')", booleans), else strings."""
-  out = {}
-  for kv in items:
-    k, _, v = kv.partition("=")
-    try:
-      v = ast.literal_eval(v)
-    except (ValueError, SyntaxError):
-      pass
-    out[k] = v
-  return out
 
 
 if __name__ == "__main__":

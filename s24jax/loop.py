@@ -21,7 +21,8 @@ from absl import logging
 from jax.experimental import multihost_utils
 
 from s24jax import checkpoint as ckpt_lib
-from s24jax import data as data_lib
+from s24jax.data import batches
+from s24jax.data import cache
 from s24jax import flops as flops_lib
 from s24jax import hooks as hooks_lib
 from s24jax import measure
@@ -46,20 +47,20 @@ def shard_batch(batch: dict[str, np.ndarray], partitioner: sharding.Partitioner
           for k, v in batch.items()}
 
 
-def load_tokens(config) -> data_lib.TokenData:
+def load_tokens(config) -> cache.TokenData:
   """The token streams; with several processes, process 0 prepares the cache while the
   others wait at a barrier (so they never race to write it)."""
   if jax.process_count() > 1:
     if jax.process_index() == 0:
-      data_lib.load_tokens(config.data)
+      cache.load_tokens(config.data)
     multihost_utils.sync_global_devices("s24jax: token cache prepared")
-  return data_lib.load_tokens(config.data)
+  return cache.load_tokens(config.data)
 
 
 def local_batch(tokens, config, step: int) -> dict[str, np.ndarray]:
   """This process's share of the global batch of `step` (a pure function of seed, step)."""
-  b = data_lib.batch_at(tokens, seed=config.seed, step=step, batch_size=config.batch_size,
-                        seq_len=config.model.seq_len)
+  b = batches.batch_at(tokens, seed=config.seed, step=step, batch_size=config.batch_size,
+                       seq_len=config.model.seq_len)
   n, i = jax.process_count(), jax.process_index()
   per = config.batch_size // n
   return {k: v[i * per:(i + 1) * per] for k, v in b.items()}
@@ -212,7 +213,7 @@ def standard_hooks(run: Run) -> list[hooks_lib.Hook]:
   fpt = flops_lib.dense_flops_per_token(run.model_cfg, shapes)
   peak = config.peak_flops or metrics_lib.device_peak_flops()
   lr_fn = jax.jit(schedules.learning_rate(config.optim, config.total_steps))
-  unigram = data_lib.unigram_entropy(run.data.train)
+  unigram = batches.unigram_entropy(run.data.train)
   run.final["data/unigram_entropy"] = unigram
   if run.step == 0:
     # The initial state is a checkpoint too: a run that diverges early still leaves a finite
@@ -226,9 +227,9 @@ def standard_hooks(run: Run) -> list[hooks_lib.Hook]:
   logging.info("%s: params %.2fM, unigram entropy %.3f nats, %d devices, resume at step %d",
                run.model_cfg.describe(), model_lib.num_params(run.state.params) / 1e6,
                unigram, jax.device_count(), run.step)
-  val_batches = data_lib.eval_batches(run.data.val, batch_size=config.batch_size,
-                                      seq_len=config.model.seq_len,
-                                      num_batches=config.eval_batches)
+  val_batches = batches.eval_batches(run.data.val, batch_size=config.batch_size,
+                                     seq_len=config.model.seq_len,
+                                     num_batches=config.eval_batches)
 
   def count_flops(run):
     flops.add_step(run.model_cfg, run.step, masked, config)

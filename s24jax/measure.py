@@ -19,6 +19,8 @@ import jax
 
 from s24jax import act_sparsity
 from s24jax import hooks as hooks_lib
+from s24jax import model as model_lib
+from s24jax import train
 
 MVUE_REPEATS = 5
 
@@ -32,8 +34,6 @@ def mvue_cost_hooks(config) -> list[hooks_lib.Hook]:
     return []
 
   def measure(run):
-    from s24jax import model as model_lib   # pylint: disable=g-import-not-at-top
-    from s24jax import train   # pylint: disable=g-import-not-at-top
     if not run.model_cfg.sparsity.method.sparse:
       return
     fn = jax.jit(train.loss_and_grads, static_argnames=("model", "accum_steps"))

@@ -13,6 +13,7 @@ from typing import Any, Iterable
 
 import jax
 import numpy as np
+from tensorboardX import SummaryWriter
 
 # Dense bf16 peak FLOP/s per device, for MFU when config.peak_flops is 0.
 PEAK_FLOPS = {"h100": 989e12, "h200": 989e12, "a100": 312e12, "v100": 125e12,
@@ -47,7 +48,6 @@ class MetricWriter:
     self._jsonl = open(self.jsonl_path, "a", encoding="utf-8") if enabled else None
     self._tb = None
     if tensorboard and enabled:
-      from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
       self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
 
   def write(self, step: int, scalars: dict[str, Any]) -> None:
@@ -105,6 +105,7 @@ def series(records: Iterable[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
 def plot(jsonl_path: str, png_path: str, *, title: str = "") -> str:
   """Train/val loss and (global and per-layer) flip rate against step, as a PNG."""
   # A bare Figure, not pyplot: no global backend switch (a notebook's inline plots keep working).
+  # Imported here: matplotlib is slow to import and only this end-of-run plot needs it.
   from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
 
   records = read_jsonl(jsonl_path)

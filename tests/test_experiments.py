@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from s24jax import compare
+from s24jax import config_files
 from s24jax import config as config_lib
 from s24jax import loop
 from s24jax import train
@@ -27,7 +27,7 @@ def test_the_four_foundation_recipes_exist():
 @pytest.mark.parametrize("variant", config_lib.VARIANTS)
 def test_builds_config_and_abstract_state(path, variant):
   """Traces one block of the model (blocks are identical, or scanned) to keep this fast."""
-  config = compare.load_config(f"{path}:{variant}")
+  config = config_files.load_config(f"{path}:{variant}")
   assert config.seed == 0 and config.total_steps > 0
   num_layers = config.model.num_layers
   scanned = config.model.scan_layers
@@ -53,4 +53,4 @@ def test_builds_config_and_abstract_state(path, variant):
 
 def test_unknown_variant_lists_valid():
   with pytest.raises(ValueError, match="tiny.*124m.*1558m"):
-    compare.load_config(f"{FILES[0]}:125m")
+    config_files.load_config(f"{FILES[0]}:125m")

