@@ -20,7 +20,7 @@ from __future__ import annotations
 import ml_collections
 from ml_collections import config_dict
 
-from s24jax import methods
+from s24jax.methods import registry
 
 # GPT-2 sizes (Radford et al. 2019; the sizes Hu et al. 2024 train): (layers, heads, width).
 GPT2_SIZES = {
@@ -80,7 +80,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.scan_layers = False     # blocks under nn.scan: compile time independent of depth
 
   c.sparsity = ml_collections.ConfigDict()
-  c.sparsity.method = "dense"            # the method: methods.available_methods()
+  c.sparsity.method = "dense"            # the method: registry.available_methods()
   c.sparsity.sparse_layers = ("*/mlp/*",)    # globs over module paths: both FFN matrices
   # The sparse layers' GEMMs (s24jax/sparse_ops.py): 'xla' (reference), 'pallas' (Pallas
   # kernels where they are expected to win: GPU, few tokens), 'pallas_always'.
@@ -97,7 +97,7 @@ def base_config() -> ml_collections.ConfigDict:
   # `flip_rate_warn_patience` consecutive logs; 0 turns it off (s24jax/flip_monitor.py).
   c.sparsity.flip_rate_warn = 0.05
   c.sparsity.flip_rate_warn_patience = 5
-  for name, block in methods.config_blocks().items():   # each method's hyper-parameters
+  for name, block in registry.config_blocks().items():   # each method's hyper-parameters
     if block:
       c.sparsity[name] = ml_collections.ConfigDict(block)
 

@@ -13,7 +13,7 @@ Counted per step (a multiply-add is 2 FLOPs; tokens = batch_size * seq_len):
   layer (MST's reference set: the head is then a sparse (V, C) weight; the embedding lookup
   is a gather and costs nothing either way);
 - a step that needs the dense weight gradient of its sparse layers (an MST topology update,
-  s24jax/methods/mst.py: growth reads dL/dW~ at the pruned entries too) computes it instead
+  s24jax/methods/mst/: growth reads dL/dW~ at the pruned entries too) computes it instead
   of the active part: per token 4 nnz + 2 out*in instead of 6 nnz, for the linear layers
   and a sparse head alike. There is no extra pass: the update step's forward/backward is
   the growth gradient (and its optimizer step is skipped, or taken with the same gradient).
@@ -45,12 +45,14 @@ from flax import traverse_util
 from s24jax import attention_masks
 from s24jax import config_files
 from s24jax import model as model_lib
+from s24jax import phases
 from s24jax import state as state_lib
+from s24jax.methods import base as methods_base
 
 
 # The tied token embedding / LM head's module name (s24jax/model.py): a key of `nnz` when it
 # is a sparse layer.
-HEAD = "wte"
+HEAD = state_lib.HEAD   # the tied head's name in `nnz`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,11 +137,15 @@ class Accountant:
                                     dense_weight_gradient=dense_dw)
     return self._cache[key]
 
-  def add_step(self, step_cfg, step: int, masked: Mapping[str, tuple[int, int]],
-               config) -> None:
-    """Counts `step`, trained by the model `step_cfg` (its method's flop profile and its
-    attention pattern); `masked` are the sparse layers' shapes."""
-    nnz, dense_dw = step_cfg.sparsity.method.flop_profile(step, masked, config)
+  def add_step(self, step_cfg, step: int, masked: Mapping[str, tuple[int, int]]) -> None:
+    """Counts `step`, trained by the model `step_cfg` (its attention pattern, and its
+    method's active weights if they change: `DynamicDensity`; else the layers count dense,
+    as the xla backend multiplies 2:4 weights densely); `masked` are the sparse layers'
+    shapes."""
+    method = step_cfg.sparsity.method
+    nnz, dense_dw = {}, False
+    if isinstance(method, methods_base.DynamicDensity):
+      nnz, dense_dw = method.active_weights(step, masked)
     self.add(nnz, step_cfg.attention, dense_weight_gradient=dense_dw)
 
   def add(self, nnz: Mapping[str, int] | None, attention: str, *,
@@ -197,16 +203,16 @@ def dense_flops_per_token(model_cfg, shapes: Mapping[str, tuple[int, int]]) -> f
 
 def planned(config, upto: int | None = None) -> Accountant:
   """The accountant of steps [0, upto) of `config` (default: all), from the method's schedule
-  alone (`Method.model_at`, `Method.flop_profile`). MST's active counts follow from its
-  schedule (its loop hook checks them at every update), so this is what the loop logs; a
-  resumed run starts its accountant from here."""
+  alone (`phases.model_at`, `DynamicDensity.active_weights`). MST's active counts follow
+  from its plan, so this is what the loop logs; a resumed run starts its accountant from
+  here."""
   model_cfg, shapes, masked = model_shapes(config)
   acct = Accountant(model_cfg, shapes, batch_size=config.batch_size,
                     seq_len=config.model.seq_len)
   upto = config.total_steps if upto is None else min(upto, config.total_steps)
+  facts = methods_base.RunFacts.from_config(config)
   for step in range(upto):
-    acct.add_step(model_cfg.sparsity.method.model_at(step, model_cfg, config), step, masked,
-                  config)
+    acct.add_step(phases.model_at(step, model_cfg, facts), step, masked)
   return acct
 
 

@@ -24,9 +24,9 @@ from s24jax import checkpoint as ckpt_lib
 from s24jax.data import batches
 from s24jax.data import cache
 from s24jax import flops as flops_lib
-from s24jax import hooks as hooks_lib
+from s24jax import hooks
 from s24jax import measure
-from s24jax import methods
+from s24jax import phases
 from s24jax import metrics as metrics_lib
 from s24jax import model as model_lib
 from s24jax import optim
@@ -34,6 +34,8 @@ from s24jax import schedules
 from s24jax import sharding
 from s24jax import state as state_lib
 from s24jax import train
+from s24jax.methods import base as methods_base
+from s24jax.methods import registry
 
 
 class NonFiniteError(RuntimeError):
@@ -86,7 +88,7 @@ def check_batch(config, num_devices: int) -> None:
 
 def build(config: ml_collections.ConfigDict):
   """The run's method, its model config, and the optimizer factory tx_fn(params, sparsity)."""
-  method = methods.from_config(config)
+  method = registry.from_config(config)
   model_cfg = model_lib.model_config(config, method)
 
   def tx_fn(params, sparsity):
@@ -97,21 +99,22 @@ def build(config: ml_collections.ConfigDict):
 
 @dataclasses.dataclass
 class Run:
-  """What the hooks see and change: the state, the step, the step's batch and model."""
+  """The run as the loop holds it; the hooks see it through `hooks.Context`."""
   config: ml_collections.ConfigDict
+  facts: methods_base.RunFacts      # the frozen facts the method and the phases read
   workdir: str
   partitioner: sharding.Partitioner
   data: Any
-  method: methods.Method            # the run's method (its phases pick each step's model)
+  method: methods_base.Method       # the run's method
   base_cfg: model_lib.ModelConfig   # the run's model (the method's, before any phase)
-  model_cfg: model_lib.ModelConfig  # the model of the current step
+  model_cfg: model_lib.ModelConfig  # the model of the current step (s24jax/phases.py)
   tx: Any
   state: Any
   ckpt: ckpt_lib.Checkpointer
   writer: metrics_lib.MetricWriter
-  step: int = 0                     # before a train step: its index; after it: steps done
+  step: int = 0                     # optimizer steps done (= the index of the next step)
   batch: Any = None
-  clock: hooks_lib.Clock = dataclasses.field(default_factory=hooks_lib.Clock)
+  clock: hooks.Clock = dataclasses.field(default_factory=hooks.Clock)
   pending: list = dataclasses.field(default_factory=list)   # metrics since the last log
   last_log: dict = dataclasses.field(default_factory=dict)
   final: dict = dataclasses.field(default_factory=dict)
@@ -127,16 +130,24 @@ class Run:
     """The step's model, one instance per distinct config (so the jit cache is reused)."""
     return self._models.setdefault(self.model_cfg, model_lib.GPT2(self.model_cfg))
 
+  @property
+  def metrics_path(self) -> str:
+    return self.writer.jsonl_path
+
+  @property
+  def sparse_phase(self) -> bool:
+    return self.model_cfg.sparsity.method.sparse
+
   def write(self, step: int, scalars: dict[str, Any]) -> None:
     self.writer.write(step, scalars)
     self.final.update(scalars)
 
   def set_model(self, step: int) -> None:
     """Moves to the model of `step`; leaving a model may change the state (dense twin)."""
-    new = self.method.model_at(step, self.base_cfg, self.config)
+    new = phases.model_at(step, self.base_cfg, self.facts)
     if new != self.model_cfg:
       logging.info("step %d: switching to the model %s", step, new.describe())
-      self.state = self.model_cfg.sparsity.method.enter(self.state, new)
+      self.state = phases.enter(self.state, self.model_cfg, new)
       self.model_cfg = new
 
   @classmethod
@@ -145,14 +156,15 @@ class Run:
     partitioner = sharding.Partitioner(sharding.make_mesh(config.mesh))
     check_batch(config, jax.device_count())
     method, model_cfg, tx_fn = build(config)
-    init = lambda: train.init_state(model_lib.GPT2(model_cfg), tx_fn, config.seed)  # pylint: disable=unnecessary-lambda-assignment
+    facts = methods_base.RunFacts.from_config(config)
+    init = lambda: train.fresh_state(model_lib.GPT2(model_cfg), tx_fn, config.seed)  # pylint: disable=unnecessary-lambda-assignment
     fresh = jax.jit(init, out_shardings=partitioner.state_shardings(jax.eval_shape(init)))()
     ckpt = ckpt_lib.Checkpointer(workdir, keep=config.keep_checkpoints)
     state = ckpt.restore_or_init(fresh)
     step = int(state.step)
     # The model the last step trained, so that resuming into a new phase enters it.
-    current = method.model_at(step - 1, model_cfg, config) if step else model_cfg
-    return cls(config=config, workdir=workdir, partitioner=partitioner, data=load_tokens(config),
+    current = phases.model_at(step - 1, model_cfg, facts) if step else model_cfg
+    return cls(config=config, facts=facts, workdir=workdir, partitioner=partitioner, data=load_tokens(config),
                method=method, base_cfg=model_cfg, model_cfg=current,
                tx=tx_fn(fresh.params, fresh.sparsity), state=state, ckpt=ckpt,
                writer=metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0),
@@ -171,7 +183,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   primary = jax.process_index() == 0
   if primary:
     _write_config(workdir, config, run.step)
-  hooks = standard_hooks(run)
+  chores = standard_hooks(run)
 
   from tqdm import tqdm  # pylint: disable=g-import-not-at-top
   bar = tqdm(total=run.total, initial=run.step, dynamic_ncols=True, mininterval=1.0,
@@ -180,13 +192,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     while run.step < run.total and run.step != config.stop_at_step:
       run.set_model(run.step)
       run.batch = shard_batch(local_batch(run.data.train, config, run.step), run.partitioner)
-      hooks_lib.run_hooks(run, hooks, before_step=True)
+      hooks.run_hooks(run, chores, before_step=True)
       run.state, metrics = train.train_step(run.state, run.batch, model=run.model, tx=run.tx,
                                             accum_steps=config.grad_accum_steps,
                                             partitioner=run.partitioner)
       run.pending.append(metrics)
       run.step += 1
-      hooks_lib.run_hooks(run, hooks, before_step=False)
+      hooks.run_hooks(run, chores, before_step=False)
       bar.set_postfix(run.postfix, refresh=False)
       bar.update(1)
   finally:   # also after a non-finite stop: finish writing the good checkpoints
@@ -205,7 +217,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 # The loop's own chores.
 
 
-def standard_hooks(run: Run) -> list[hooks_lib.Hook]:
+def standard_hooks(run: Run) -> list[hooks.Hook]:
   """Log, then the method's and the statistics' hooks, eval, checkpoint, the end of the run."""
   config = run.config
   flops = flops_lib.planned(config, upto=run.step)   # resumed runs continue the count
@@ -232,15 +244,14 @@ def standard_hooks(run: Run) -> list[hooks_lib.Hook]:
                                      num_batches=config.eval_batches)
 
   def count_flops(run):
-    flops.add_step(run.model_cfg, run.step, masked, config)
+    flops.add_step(run.model_cfg, run.step, masked)
 
   def log(run):
     pending, run.pending = jax.device_get(run.pending), []   # waits for the steps
     check_finite(run, pending)
     scalars = summarise(pending, run.clock.lap(), fpt, peak)
     scalars["train/lr"] = float(lr_fn(run.step - 1))
-    scalars["train/dense_phase"] = float(run.method.sparse
-                                         and not run.model_cfg.sparsity.method.sparse)
+    scalars["train/dense_phase"] = float(run.method.sparse and not run.sparse_phase)
     scalars.update(flops.scalars())
     run.write(run.step, scalars)
     run.last_log = scalars
@@ -266,12 +277,12 @@ def standard_hooks(run: Run) -> list[hooks_lib.Hook]:
     run.final.update(flops_lib.summary(flops))
     run.final["step"] = run.step
 
-  Hook = hooks_lib.Hook   # pylint: disable=invalid-name
+  Hook = hooks.Hook   # pylint: disable=invalid-name
   return [
       Hook(count_flops, every=1, before_step=True, training=True, name="FLOPs"),
       *measure.hooks(config),
       Hook(log, every=config.log_every, training=True, name="log"),
-      *run.method.hooks(config),
+      *run.method.chores(run.facts),
       Hook(evaluate_, every=config.eval_every, name="eval"),
       Hook(checkpoint, every=config.checkpoint_every, name="checkpoint"),
       Hook(finish, due=lambda step: step == run.total, name="plot and finals"),

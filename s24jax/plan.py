@@ -124,7 +124,7 @@ class Planner:
     accum = self.accum_for(micro)
     partitioner = sharding.Partitioner(
         sharding.make_mesh(self.config.mesh, self._topologies[factor].devices))
-    init = lambda: self.train.init_state(self.model, self.tx_fn, 0)   # pylint: disable=unnecessary-lambda-assignment
+    init = lambda: self.train.fresh_state(self.model, self.tx_fn, 0)   # pylint: disable=unnecessary-lambda-assignment
     abstract_state = jax.eval_shape(init)
     shardings = partitioner.state_shardings(abstract_state)
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
@@ -152,7 +152,7 @@ class Planner:
     jax = self.jax
     cfg = dataclasses.replace(self.model_cfg, scan_layers=False, remat="none", loss_chunk=0)
     model = self.model_lib.GPT2(cfg)
-    abstract_state = jax.eval_shape(lambda: self.train.init_state(model, self.tx_fn, 0))
+    abstract_state = jax.eval_shape(lambda: self.train.fresh_state(model, self.tx_fn, 0))
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                          abstract_state, partitioner.state_shardings(abstract_state))
     tokens = jax.ShapeDtypeStruct((micro * self.data_parallel, self.config.model.seq_len),
@@ -234,7 +234,7 @@ def _fsdp(planner) -> int:
 
 def _num_params(planner) -> int:
   jax = planner.jax
-  shapes = jax.eval_shape(lambda: planner.train.init_state(planner.model, planner.tx_fn, 0))
+  shapes = jax.eval_shape(lambda: planner.train.fresh_state(planner.model, planner.tx_fn, 0))
   return int(sum(math.prod(x.shape) for x in jax.tree.leaves(shapes.params)))
 
 

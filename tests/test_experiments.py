@@ -35,7 +35,7 @@ def test_builds_config_and_abstract_state(path, variant):
     config.model.num_layers = 1
   _, model_cfg, tx_fn = loop.build(config)
   model, dense_model = GPT2(model_cfg), GPT2(model_cfg.dense_twin())
-  abstract = jax.eval_shape(lambda: train.init_state(model, tx_fn, config.seed))
+  abstract = jax.eval_shape(lambda: train.fresh_state(model, tx_fn, config.seed))
   count = lambda tree: sum(x.size for x in jax.tree.leaves(tree))
   if scanned:
     assert abstract.params["h"]["mlp"]["fc"]["kernel"].shape[0] == num_layers
