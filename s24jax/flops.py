@@ -50,11 +50,6 @@ from s24jax import state as state_lib
 from s24jax.methods import base as methods_base
 
 
-# The tied token embedding / LM head's module name (s24jax/model.py): a key of `nnz` when it
-# is a sparse layer.
-HEAD = state_lib.HEAD   # the tied head's name in `nnz`
-
-
 @dataclasses.dataclass(frozen=True)
 class StepFlops:
   """FLOPs by part; `total` = linear + attention + head. The dense weight gradients of MST's
@@ -92,19 +87,20 @@ def attention_flops(model_cfg, attention: str, *, batch_size: int, seq_len: int)
 def step_flops(model_cfg, shapes: Mapping[str, tuple[int, int]], nnz: Mapping[str, int], *,
                batch_size: int, seq_len: int, attention: str,
                dense_weight_gradient: bool = False) -> StepFlops:
-  """FLOPs of one training step. `nnz` maps kernel names, and HEAD for a sparse tied head, to
+  """FLOPs of one training step. `nnz` maps kernel names, and "wte" (state.HEAD) for a sparse
+  tied head, to
   their active count (the others are dense); `dense_weight_gradient`: the step computes the
   sparse layers' weight gradient densely (an MST topology update)."""
-  unknown = set(nnz) - set(shapes) - {HEAD}
+  unknown = set(nnz) - set(shapes) - {state_lib.HEAD}
   if unknown:
     raise ValueError(f"nnz given for unknown linear layers {sorted(unknown)}; the model's are "
-                     f"{sorted(shapes)} (and {HEAD!r}, the tied head)")
+                     f"{sorted(shapes)} (and {state_lib.HEAD!r}, the tied head)")
   tokens = batch_size * seq_len
   active = sum(int(nnz.get(k, o * i)) for k, (o, i) in shapes.items())
   size = sum(o * i for o, i in shapes.values())
   att = attention_flops(model_cfg, attention, batch_size=batch_size, seq_len=seq_len)
   vc = model_cfg.vocab_size * model_cfg.d_model
-  head_active = int(nnz.get(HEAD, vc))
+  head_active = int(nnz.get(state_lib.HEAD, vc))
   extra_linear = extra_head = 0.0
   if dense_weight_gradient:
     extra_linear = 2.0 * (size - active) * tokens
