@@ -88,8 +88,7 @@ def step_flops(model_cfg, shapes: Mapping[str, tuple[int, int]], nnz: Mapping[st
                batch_size: int, seq_len: int, attention: str,
                dense_weight_gradient: bool = False) -> StepFlops:
   """FLOPs of one training step. `nnz` maps kernel names, and "wte" (state.HEAD) for a sparse
-  tied head, to
-  their active count (the others are dense); `dense_weight_gradient`: the step computes the
+  tied head, to their active count (the others are dense); `dense_weight_gradient`: the step computes the
   sparse layers' weight gradient densely (an MST topology update)."""
   unknown = set(nnz) - set(shapes) - {state_lib.HEAD}
   if unknown:
