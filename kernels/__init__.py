@@ -14,14 +14,21 @@ One kernel family per module (Triton backend, sm_80 and sm_90a):
   mvue24              mvue24_compress (unbiased stochastic 2:4)
   venom               venom_compress, venom_matmul (V:2:M activations)
   gated_activation    gated_act, geglu, swiglu
-and one Mosaic GPU family for Blackwell (sm_100a), imported on first use so
-the Triton kernels never load it: `kernels.tcgen05` (2:4 GEMMs on the sparse
-tensor cores). No module shares a name with a function, so every module is
-reachable as `kernels.<module>`.
+and one Mosaic GPU family for Blackwell (sm_100a), `s24jax.kernels.tcgen05`
+(2:4 GEMMs on the sparse tensor cores): not imported here, and it imports
+Mosaic GPU only when one of its kernels is built, so the Triton kernels never
+load it. No module shares a name with a function, so every module is
+reachable as `s24jax.kernels.<module>`.
 
-`python -m s24jax.kernels.bench` times the kernels on a GPU;
-`python -m s24jax.kernels.compile_check --gpu a100|h100|b200` compiles them for a GPU
-without one (docs/kernels.md).
+Imports point one way: kernel files -> `_common`, `masks`, `timing` (and
+other kernel files, without cycles); the tools `bench` and `compile_check` -> kernel files;
+nothing imports a tool, and nothing here imports `s24jax` outside this
+package (tests/test_imports.py checks both).
+
+`python -m s24jax.kernels.bench` times the kernels on a GPU (each kernel
+file's `python -m s24jax.kernels.<family>` its own rows);
+`python -m s24jax.kernels.compile_check --gpu a100|h100|b200` compiles them
+for a GPU without one (docs/kernels.md).
 """
 from ._common import interpret_default
 from .compressed_matmul import (PALLAS_MATMUL_MAX_TOKENS,

@@ -16,8 +16,12 @@ thing, and a second copy would drift:
   tile config;
 * the argument checks every public wrapper repeats (`check_float_groups`);
 * `interpret_default()`, the one rule for when a caller that does not say
-  otherwise runs the kernels in Pallas interpret mode (off a GPU);
-* a small timing helper for `kernels.bench`.
+  otherwise runs the kernels in Pallas interpret mode (off a GPU).
+
+(Over 400 lines, one module on purpose: the metadata format below and the
+helpers that pack, select and expand it are one contract; split up, the
+format's documentation and its code would drift apart. The benchmarks' timing
+and tables live in `timing.py`.)
 
 Metadata format (used by every compressed 2:4 array in this package)
 ---------------------------------------------------------------------
@@ -46,8 +50,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
-import statistics
-import time
 from typing import Any, Callable, ClassVar, Sequence
 
 import jax
@@ -418,40 +420,6 @@ def pallas_call(kernel: Callable, *, out_shape: Sequence[jax.ShapeDtypeStruct],
     return list(f(*args))
 
   return call
-
-
-# ----------------------------------------------------------------------------
-# Timing and tables (kernels.bench).
-# ----------------------------------------------------------------------------
-def time_fn(fn: Callable, *args, warmup: int = 3, reps: int = 20) -> float:
-  """Median wall time in seconds of fn(*args), device-synchronised."""
-  for _ in range(warmup):
-    jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
-
-
-def print_table(rows: Sequence[dict], columns: Sequence[str] | None = None):
-  if not rows:
-    print("(no rows)")
-    return
-  columns = list(columns or rows[0].keys())
-
-  def fmt(v):
-    if isinstance(v, float):
-      return f"{v:.4g}"
-    return str(v)
-
-  cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
-  widths = [max(len(c), *(len(row[i]) for row in cells))
-            for i, c in enumerate(columns)]
-  print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
-  for row in cells:
-    print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
 
 
 def on_gpu() -> bool:

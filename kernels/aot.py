@@ -8,7 +8,7 @@ ptxas. Nothing can run. Shared by `python -m s24jax.kernels.compile_check` and t
 
 Use, in this order (the first call must come before jax initializes a backend):
 
-    from . import aot
+    from s24jax.kernels import aot
     aot.start(dump_dir)                      # JAX_PLATFORMS=cpu, XLA/Mosaic PTX dumps
     x = aot.spec((8192, 768), jnp.bfloat16, "h100")
     lowered, compiled = aot.compile_for_gpu(fn, x, gpu="h100")
@@ -40,6 +40,11 @@ import re
 import subprocess
 from typing import Any, Callable, Sequence
 
+import jax
+from jax.experimental import topologies
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+import numpy as np
+
 from .gpu_targets import TARGETS, Target, target
 
 INSTALL_HINT = "pip install -r requirements-gpu-aot.txt"
@@ -50,7 +55,8 @@ class PluginMissing(RuntimeError):
 
 
 # ---------------------------------------------------------------------------------------------
-# Platform selection (no jax import before it is decided)
+# Platform selection (before jax initializes a backend; importing jax is fine: the package
+# `s24jax.kernels` imports it before this module anyway)
 
 
 def nvidia_driver_present() -> bool:
@@ -71,8 +77,7 @@ def cpu_unless_gpu() -> None:
   if "JAX_PLATFORMS" in os.environ or nvidia_driver_present():
     return
   os.environ["JAX_PLATFORMS"] = "cpu"
-  import jax   # pylint: disable=g-import-not-at-top
-  jax.config.update("jax_platforms", "cpu")   # in case jax was imported before
+  jax.config.update("jax_platforms", "cpu")   # jax read JAX_PLATFORMS when it was imported
 
 
 def start(dump_dir: str | os.PathLike | None = None) -> None:
@@ -91,7 +96,8 @@ def start(dump_dir: str | os.PathLike | None = None) -> None:
     os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_dump_to={dump_dir}"])
     # Mosaic GPU then dumps MLIR, PTX, its own ptxas -v output and SASS (with nvdisasm).
     os.environ["MOSAIC_GPU_DUMP_TO"] = dump_dir
-  import jax   # pylint: disable=g-import-not-at-top
+  # A private jax module: imported here so that a release that moves it breaks this function
+  # only, not `import s24jax` (which imports this module).
   from jax._src import xla_bridge   # pylint: disable=g-import-not-at-top
   if xla_bridge.backends_are_initialized():
     if jax.default_backend() != "cpu" or dump_dir is not None:
@@ -103,7 +109,7 @@ def start(dump_dir: str | os.PathLike | None = None) -> None:
 
 def check_plugin() -> None:
   """Raises PluginMissing (naming the install command) without the CUDA plugin or ptxas."""
-  try:
+  try:   # the optional CUDA compile plugin (several GB): only its presence is checked
     import jax_plugins.xla_cuda13   # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
   except ImportError:
     raise PluginMissing(
@@ -126,7 +132,7 @@ def plugin_available() -> bool:
 @functools.cache
 def ptxas_path() -> str | None:
   """ptxas of the nvidia-cuda-nvcc wheel (the one XLA itself runs), else None."""
-  try:
+  try:   # the plugin's optional nvidia-cuda-nvcc wheel
     import nvidia.cu13 as cu13   # pylint: disable=g-import-not-at-top
   except ImportError:
     return None
@@ -141,7 +147,6 @@ def ptxas_path() -> str | None:
 @functools.cache
 def devices(gpu: str, count: int = 1) -> tuple[Any, ...]:
   """`count` compile-only devices of the named GPU on one host (topology 1x1xcount)."""
-  from jax.experimental import topologies   # pylint: disable=g-import-not-at-top
   topo = topologies.get_topology_desc(
       platform="cuda", target_config=target(gpu).config_text(), topology=f"1x1x{count}")
   return tuple(topo.devices)
@@ -149,23 +154,18 @@ def devices(gpu: str, count: int = 1) -> tuple[Any, ...]:
 
 def mesh(gpu: str, count: int = 1, axis: str = "data"):
   """A 1-D mesh of `count` compile-only devices of the named GPU."""
-  import numpy as np   # pylint: disable=g-import-not-at-top
-  from jax.sharding import Mesh   # pylint: disable=g-import-not-at-top
   return Mesh(np.asarray(devices(gpu, count)), (axis,))
 
 
 def spec(shape: Sequence[int], dtype, gpu: str, count: int = 1, partition=None):
   """An abstract input (no memory) placed on compile-only devices of the named GPU;
   replicated unless `partition` (a PartitionSpec over the mesh axis 'data') says otherwise."""
-  import jax   # pylint: disable=g-import-not-at-top
-  from jax.sharding import NamedSharding, PartitionSpec   # pylint: disable=g-import-not-at-top
   sharding = NamedSharding(mesh(gpu, count), partition or PartitionSpec())
   return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
 
 
 def abstract(tree, sharding):
   """ShapeDtypeStructs with `sharding` for every array leaf of `tree` (abstract or real)."""
-  import jax   # pylint: disable=g-import-not-at-top
   return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
                       tree)
 
@@ -173,7 +173,6 @@ def abstract(tree, sharding):
 def compile_for_gpu(fn: Callable, *args, gpu: str, **kwargs):
   """Compiles `fn` (jitted here unless it already is) for the named GPU on abstract
   inputs. Returns (lowered, compiled)."""
-  import jax   # pylint: disable=g-import-not-at-top
   jitted = fn if hasattr(fn, "trace") else jax.jit(fn)
   # Mosaic GPU kernels read the target from the default device while compiling.
   with jax.default_device(devices(gpu)[0]):
@@ -196,7 +195,8 @@ def memory_report(compiled) -> dict[str, int]:
 def flops(lowered) -> float:
   """FLOPs of the unoptimized HLO (XLA's cost analysis through the CPU client; platform
   independent, counts every dot including those that become cuBLAS calls)."""
-  import jax   # pylint: disable=g-import-not-at-top
+  # A private jaxlib module (renamed between releases): imported here so that a rename breaks
+  # this function only, not `import s24jax`.
   from jax._src.lib import _jax   # pylint: disable=g-import-not-at-top
   hlo = lowered.compiler_ir("hlo")
   hlo = hlo.as_hlo_module() if hasattr(hlo, "as_hlo_module") else hlo

@@ -25,7 +25,6 @@ import argparse
 import concurrent.futures
 import dataclasses
 import json
-import os
 import pathlib
 import re
 import shutil
@@ -33,6 +32,20 @@ import sys
 import tempfile
 import time
 from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from . import aot
+from . import tcgen05
+from ._common import meta_words
+from .compressed_matmul import sparse24_matmul
+from .gated_activation import gated_act
+from .gpu_targets import target
+from .mvue24 import mvue24_compress
+from .sparsify24 import compress24, soft_compress24
+from .transposable_mask import transposable_mask24
+from .venom import venom_compress, venom_matmul
 
 WIDTHS = (768, 1024, 1280, 1600)
 TOKENS = (64, 256, 1024, 4096, 16384)
@@ -77,14 +90,6 @@ def _dense_mma(arch: str) -> tuple[str, ...]:
 
 def cases(gpu: str, widths, tokens) -> list[Case]:
   """The kernels of this package at the given shapes, for the named GPU."""
-  import jax   # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp   # pylint: disable=g-import-not-at-top
-
-  from . import __init__ as kernels   # pylint: disable=g-import-not-at-top
-  from . import _common as c   # pylint: disable=g-import-not-at-top
-  from . import aot   # pylint: disable=g-import-not-at-top
-  from .gpu_targets import target   # pylint: disable=g-import-not-at-top
-
   arch = target(gpu).arch
   mma = _dense_mma(arch)
   bf = jnp.bfloat16
@@ -97,19 +102,19 @@ def cases(gpu: str, widths, tokens) -> list[Case]:
   weights = [(4 * d, d) for d in widths] + [(d, 4 * d) for d in widths]
   for (n, k) in weights:
     w = S((n, k))
-    add("sparsify24", f"W{n}x{k}", lambda w: kernels.compress24(w),
+    add("sparsify24", f"W{n}x{k}", lambda w: compress24(w),
         [w], {"sparsify24_hard": None})
     add("sparsify24_mask", f"W{n}x{k}",
-        lambda w, m: kernels.compress24(w, m),
+        lambda w, m: compress24(w, m),
         [w, S((n, k), jnp.bool_)], {"sparsify24_mask": None})
     add("soft_compress24", f"W{n}x{k}",
-        lambda w, b: kernels.soft_compress24(w, b),
+        lambda w, b: soft_compress24(w, b),
         [w, S((), jnp.float32)], {"sparsify24_soft": None})
     add("transposable_mask24", f"W{n}x{k}",
-        lambda w: kernels.transposable_mask24(w),
+        lambda w: transposable_mask24(w),
         [w], {"transposable_mask24": None})
     add("transposable_mask24_compressed", f"W{n}x{k}",
-        lambda w: kernels.transposable_mask24(w, with_compressed=True),
+        lambda w: transposable_mask24(w, with_compressed=True),
         [w], {"transposable_mask24": None})
 
   for d in widths:
@@ -119,15 +124,15 @@ def cases(gpu: str, widths, tokens) -> list[Case]:
         sh = f"T{t} W{n}x{k}"
         # The weight gradient operand dY^T (out, T), 2:4 along the tokens.
         add("mvue24", f"T{t} dYt{n}x{t}",
-            lambda x, s: kernels.mvue24_compress(x, s),
+            lambda x, s: mvue24_compress(x, s),
             [S((n, t)), S((), jnp.uint32)], {"mvue24": None})
-        x, vals, meta = S((t, k)), S((n, k // 2)), S((n, c.meta_words(k)), jnp.uint32)
+        x, vals, meta = S((t, k)), S((n, k // 2)), S((n, meta_words(k)), jnp.uint32)
 
         def fwd(x, v, m):
-          return kernels.sparse24_matmul(x, v, m)
+          return sparse24_matmul(x, v, m)
 
         def loss(x, v, m):
-          return kernels.sparse24_matmul(x, v, m).astype(jnp.float32).sum()
+          return sparse24_matmul(x, v, m).astype(jnp.float32).sum()
 
         add("sparse24_matmul_fwd", sh, fwd, [x, vals, meta], {"sparse24_matmul_fwd": mma})
         # jax.grad: the forward's output is unused, so XLA drops its kernel.
@@ -136,20 +141,46 @@ def cases(gpu: str, widths, tokens) -> list[Case]:
       # V:N:M activations: h (T, 4d) feeding the second FFN matmul, W2 (d, 4d).
       blocks = h // ACT_M
       add("venom_compress", f"T{t} h{t}x{h}",
-          lambda x: kernels.venom_compress(x, ACT_V, ACT_M),
+          lambda x: venom_compress(x, ACT_V, ACT_M),
           [S((t, h))], {"venom_sparsify": None})
       add("venom_matmul", f"T{t} h{t}x{h} W{d}x{h}",
-          lambda v, m, cols, w: kernels.venom_matmul(v, m, cols, w, v=ACT_V, m=ACT_M),
+          lambda v, m, cols, w: venom_matmul(v, m, cols, w, v=ACT_V, m=ACT_M),
           [S((t, 2 * blocks)), S((t, -(-blocks // 8)), jnp.uint32),
            S((t // ACT_V, blocks, 4), jnp.int32), S((d, h))], {"venom_matmul": mma})
       for kind in ("geglu", "swiglu"):
         def gated_loss(x, kind=kind):
-          return kernels.gated_act(x, kind).astype(jnp.float32).sum()
+          return gated_act(x, kind).astype(jnp.float32).sum()
         add(f"{kind}_fwd_bwd", f"T{t} x{t}x{2 * h}", jax.value_and_grad(gated_loss),
             [S((t, 2 * h))], {f"{kind}_fwd": None, f"{kind}_bwd": None})
   if arch == "sm_100a":
-    from . import tcgen05   # pylint: disable=g-import-not-at-top
-    out += tcgen05.compile_check_cases(gpu, widths, tokens)
+    out += _tcgen05_cases(gpu, widths, tokens)
+  return out
+
+
+def _tcgen05_cases(gpu: str, widths, tokens) -> list[Case]:
+  """kernels/tcgen05.py's three GEMM forms at the GPT-2 FFN shapes (Blackwell only)."""
+  bf = jnp.bfloat16
+  S = lambda shape, dtype=bf: aot.spec(shape, dtype, gpu)   # noqa: E731
+  name = "tcgen05_sparse_matmul"
+  expect = {name: ("tcgen05.mma.sp",)}
+  out = []
+  for d in widths:
+    for t in tokens:
+      for (n_out, n_in) in ((4 * d, d), (d, 4 * d)):
+        w = (S((n_out, n_in // 2)), S((n_out, meta_words(n_in)), jnp.uint32))
+        wt = (S((n_in, n_out // 2)), S((n_in, meta_words(n_out)), jnp.uint32))
+        sh = f"T{t} W{n_out}x{n_in}"
+        # GEMM (M, N, K): sparse A is M x K, B is N x K.
+        for case, fn, args, (m, n, k) in (
+            ("tcgen05_forward", lambda x, v, m: tcgen05.forward(x, v, m),
+             (S((t, n_in)), *w), (n_out, t, n_in)),
+            ("tcgen05_data_grad", lambda dy, v, m: tcgen05.data_grad(dy, v, m),
+             (S((t, n_out)), *wt), (n_in, t, n_out)),
+            ("tcgen05_weight_grad", lambda dy, x, s: tcgen05.weight_grad(dy, x, s),
+             (S((t, n_out)), S((t, n_in)), S((), jnp.uint32)), (n_out, n_in, t))):
+          exp = {**expect, "mvue24": None} if case == "tcgen05_weight_grad" else expect
+          out.append(Case(case, sh, fn, args, exp, {name: tcgen05.smem_bytes(k, n)},
+                          {name: tcgen05.kernel_key(m, n, k)}, {name: case}))
   return out
 
 
@@ -174,7 +205,6 @@ _SEEN: dict[tuple, tuple] = {}   # Case.key value -> (KernelResources, shape fir
 
 def run_case(case: Case, gpu: str, dump: pathlib.Path, pool) -> list[dict]:
   """Compiles one case; one record per expected kernel (or one failure record)."""
-  from . import aot   # pylint: disable=g-import-not-at-top
   module = f"cc_{case.name}"
   fn = case.fn
   t0 = time.time()
@@ -231,7 +261,6 @@ def run_case(case: Case, gpu: str, dump: pathlib.Path, pool) -> list[dict]:
 
 
 def _named(fn, name):
-  import jax   # pylint: disable=g-import-not-at-top
   def f(*a):
     return fn(*a)
   f.__name__ = f.__qualname__ = name
@@ -259,7 +288,6 @@ def main(argv=None) -> int:
   p.add_argument("--tokens", default="", help="override: comma-separated token counts")
   args = p.parse_args(argv)
 
-  from . import aot   # pylint: disable=g-import-not-at-top
   dump = pathlib.Path(tempfile.mkdtemp(prefix="compile_check_"))
   try:
     aot.start(dump)
@@ -274,7 +302,6 @@ def main(argv=None) -> int:
     tokens = tuple(int(v) for v in args.tokens.split(","))
   only = {s for s in args.only.split(",") if s}
   todo = [cs for cs in cases(args.gpu, widths, tokens) if not only or cs.name in only]
-  from .gpu_targets import target   # pylint: disable=g-import-not-at-top
   print(f"kernels.compile_check: {len(todo)} compiles for {args.gpu} "
         f"({target(args.gpu).arch}), d {widths}, tokens {tokens}", flush=True)
   print(f"{'kernel':<30} {'shape':<24} {'regs':>4} {'smem':>7} {'spill':>6}  "

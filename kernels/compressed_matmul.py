@@ -10,6 +10,12 @@ small micro-batches); see `should_use_pallas_matmul`. For compute-bound
 training GEMMs the dense XLA matmul (or, on Blackwell, `kernels.tcgen05`) is
 the right path.
 
+(Over 400 lines, one module on purpose: the forward kernel, the two backward
+kernels and the custom_vjp that pairs them share the tiling and the
+expansion, and apart the backward would drift from the forward it
+differentiates. The family's benchmark rows close the file, as in every
+kernel file.)
+
 How the tile is expanded: instead of interleaving the four in-group
 positions back into a dense [BN, BK] tile (a register shuffle), the kernel
 keeps them apart. For position j it builds d_j [BN, BK/4] with
@@ -26,8 +32,8 @@ no cotangent:
                                     (`_dvalues_kernel`, an SDDMM that never
                                      forms the dense dW)
 The gradient with respect to the *dense latent* weight (STE and friends) is
-the projection's business (`s24jax.projections`): scatter dvalues, or use
-dy^T x directly.
+the sparsity method's business (`s24jax/methods/`, e.g. `ste.py`,
+`s_ste.py`): scatter dvalues, or use dy^T x directly.
 """
 from __future__ import annotations
 
@@ -41,6 +47,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from . import _common as c
+from . import timing
+from .sparsify24 import compress24_reference
 
 # Token count up to which the compressed Pallas matmul is expected to beat
 # the dense XLA matmul on H100 (bf16). From the roofline, not a measurement:
@@ -377,7 +385,47 @@ def sparse24_matmul_reference(x, values, meta):
   return y.astype(x.dtype)
 
 
-if __name__ == "__main__":   # python -m s24jax.kernels.compressed_matmul: this family's rows of kernels.bench
-  import sys   # pylint: disable=g-import-not-at-top
-  from . import bench   # pylint: disable=g-import-not-at-top
-  sys.exit(bench.main(["--only", "matmul,matmul_bwd", *sys.argv[1:]]))
+# ----------------------------------------------------------------------------
+# Benchmark rows (python -m s24jax.kernels.bench; kernels/timing.py).
+# ----------------------------------------------------------------------------
+def bench_operands(t, n, k, dtype):
+  """x (t, k), a 2:4 W~ (n, k) compressed (values, meta), and W~ dense."""
+  kx, kw = jax.random.split(jax.random.key(0))
+  x = jax.random.normal(kx, (t, k), dtype)
+  values, meta = compress24_reference(jax.random.normal(kw, (n, k), dtype))
+  return x, values, meta, c.decompress(values, meta)
+
+
+def _bench_matmul(shapes, dtype, interpret, reps):
+  for t, n, k in shapes:
+    x, values, meta, dense = bench_operands(t, n, k, dtype)
+    fast = jax.jit(functools.partial(sparse24_matmul, interpret=interpret))
+    nbytes = (values.size * values.dtype.itemsize + meta.size * 4
+              + (x.size + t * n) * x.dtype.itemsize)
+    yield timing.row("sparse24_matmul", (t, n, k),
+                     timing.time_fn(fast, x, values, meta, reps=reps),
+                     timing.time_fn(jax.jit(timing.dense_mm), x, dense, reps=reps),
+                     nbytes=nbytes, flops=2 * t * n * k,
+                     note=f"use_pallas={should_use_pallas_matmul(t, n, k)}")
+
+
+def _bench_matmul_bwd(shapes, dtype, interpret, reps):
+  for t, n, k in shapes:
+    x, values, meta, dense = bench_operands(t, n, k, dtype)
+    dy = jax.random.normal(jax.random.key(1), (t, n), dtype)
+    fast = jax.jit(lambda x, v, dy: jax.vjp(
+        lambda x, v: sparse24_matmul(x, v, meta, interpret=interpret), x, v)[1](dy))
+    ref = jax.jit(lambda x, w, dy: jax.vjp(timing.dense_mm, x, w)[1](dy))
+    yield timing.row("sparse24_matmul_bwd(dx,dvalues)", (t, n, k),
+                     timing.time_fn(fast, x, values, dy, reps=reps),
+                     timing.time_fn(ref, x, dense, dy, reps=reps), flops=4 * t * n * k,
+                     note="xla: dense dx, dW")
+
+
+BENCHMARKS = {"matmul": _bench_matmul, "matmul_bwd": _bench_matmul_bwd}
+
+
+if __name__ == "__main__":   # this family's rows of python -m s24jax.kernels.bench
+  raise SystemExit(timing.main(
+      BENCHMARKS, prog="python -m s24jax.kernels.compressed_matmul",
+      description="Benchmark sparse24_matmul (forward; backward dx, dvalues) against XLA."))

@@ -32,6 +32,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from . import _common as c
+from . import timing
 
 ACTIVATIONS = ("geglu", "swiglu")
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -205,7 +206,30 @@ def gated_act_reference(x, kind: str = "geglu", *, approximate: bool = True):
   return (v * act).astype(x.dtype)
 
 
-if __name__ == "__main__":   # python -m s24jax.kernels.gated_activation: this family's rows of kernels.bench
-  import sys   # pylint: disable=g-import-not-at-top
-  from . import bench   # pylint: disable=g-import-not-at-top
-  sys.exit(bench.main(["--only", "gated", *sys.argv[1:]]))
+# ----------------------------------------------------------------------------
+# Benchmark rows (python -m s24jax.kernels.bench; kernels/timing.py).
+# ----------------------------------------------------------------------------
+def _bench_gated(shapes, dtype, interpret, reps):
+  for t, d in shapes:
+    h = 4 * d
+    x = jax.random.normal(jax.random.key(0), (t, 2 * h), dtype)
+    dy = jax.random.normal(jax.random.key(1), (t, h), dtype)
+    isz = x.dtype.itemsize
+    for kind in ACTIVATIONS:
+      fast = jax.jit(functools.partial(gated_act, kind=kind, interpret=interpret))
+      ref = jax.jit(functools.partial(gated_act_reference, kind=kind))
+      yield timing.row(f"{kind}_fwd", (t, 2 * h), timing.time_fn(fast, x, reps=reps),
+                       timing.time_fn(ref, x, reps=reps), nbytes=3 * t * h * isz)
+      fb = jax.jit(lambda x, dy, f=fast: jax.vjp(f, x)[1](dy)[0])
+      rb = jax.jit(lambda x, dy, f=ref: jax.vjp(f, x)[1](dy)[0])
+      yield timing.row(f"{kind}_bwd", (t, 2 * h), timing.time_fn(fb, x, dy, reps=reps),
+                       timing.time_fn(rb, x, dy, reps=reps), nbytes=5 * t * h * isz)
+
+
+BENCHMARKS = {"gated": _bench_gated}
+
+
+if __name__ == "__main__":   # this family's rows of python -m s24jax.kernels.bench
+  raise SystemExit(timing.main(
+      BENCHMARKS, prog="python -m s24jax.kernels.gated_activation",
+      description="Benchmark the fused GEGLU / SwiGLU (forward, backward) against XLA."))

@@ -43,6 +43,7 @@ from jax.experimental import pallas as pl
 
 from . import _common as c
 from . import masks
+from . import timing
 
 
 
@@ -206,7 +207,23 @@ def mvue24_dense_reference(x: jax.Array, seed):
   return c.decompress(*mvue24_reference(x, seed))
 
 
-if __name__ == "__main__":   # python -m s24jax.kernels.mvue24: this family's rows of kernels.bench
-  import sys   # pylint: disable=g-import-not-at-top
-  from . import bench   # pylint: disable=g-import-not-at-top
-  sys.exit(bench.main(["--only", "mvue24", *sys.argv[1:]]))
+# ----------------------------------------------------------------------------
+# Benchmark rows (python -m s24jax.kernels.bench; kernels/timing.py).
+# ----------------------------------------------------------------------------
+def _bench_mvue24(shapes, dtype, interpret, reps):
+  for rows, tokens in shapes:
+    x = jax.random.normal(jax.random.key(0), (rows, tokens), dtype)
+    fast = jax.jit(functools.partial(mvue24_compress, interpret=interpret))
+    ref = jax.jit(mvue24_reference)
+    nbytes = x.size * x.dtype.itemsize * 1.5 + x.size // 8
+    yield timing.row("mvue24", (rows, tokens), timing.time_fn(fast, x, 3, reps=reps),
+                     timing.time_fn(ref, x, 3, reps=reps), nbytes=nbytes)
+
+
+BENCHMARKS = {"mvue24": _bench_mvue24}
+
+
+if __name__ == "__main__":   # this family's rows of python -m s24jax.kernels.bench
+  raise SystemExit(timing.main(
+      BENCHMARKS, prog="python -m s24jax.kernels.mvue24",
+      description="Benchmark mvue24_compress against XLA."))

@@ -18,8 +18,9 @@ Variants (`mode`):
 The compressed format (values + 2-bit position metadata, 8 groups per uint32
 word) is documented in `kernels/_common.py`; `decompress24` inverts it.
 None of these functions is differentiable (the metadata is integer); the
-training-time projections with their straight-through rules live in
-`s24jax.projections` and can call `compress24` on their forward value.
+training-time projections with their straight-through rules are the sparsity
+methods of `s24jax/methods/` (e.g. `ste.py`, `s_ste.py`), which can call
+`compress24` on their forward value.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from jax.experimental import pallas as pl
 
 from . import _common as c
 from . import masks
+from . import timing
 
 MODES = ("hard", "mask", "soft")
 
@@ -213,7 +215,27 @@ def soft_compress24_reference(w: jax.Array, beta=1.0):
   return c.interleave([v0, v1]), c.pack_meta_rows(c.nibble(i0, i1))
 
 
-if __name__ == "__main__":   # python -m s24jax.kernels.sparsify24: this family's rows of kernels.bench
-  import sys   # pylint: disable=g-import-not-at-top
-  from . import bench   # pylint: disable=g-import-not-at-top
-  sys.exit(bench.main(["--only", "sparsify24", *sys.argv[1:]]))
+# ----------------------------------------------------------------------------
+# Benchmark rows (python -m s24jax.kernels.bench; kernels/timing.py).
+# ----------------------------------------------------------------------------
+def _bench_sparsify24(shapes, dtype, interpret, reps):
+  for n, k in shapes:
+    w = jax.random.normal(jax.random.key(0), (n, k), dtype)
+    nbytes = w.size * w.dtype.itemsize * 1.5 + w.size // 8
+    for name, fast, ref in [
+        ("sparsify24_hard", functools.partial(compress24, interpret=interpret),
+         jax.jit(compress24_reference)),
+        ("sparsify24_soft",
+         functools.partial(soft_compress24, beta=0.9, interpret=interpret),
+         jax.jit(functools.partial(soft_compress24_reference, beta=0.9)))]:
+      yield timing.row(name, (n, k), timing.time_fn(fast, w, reps=reps),
+                       timing.time_fn(ref, w, reps=reps), nbytes=nbytes)
+
+
+BENCHMARKS = {"sparsify24": _bench_sparsify24}
+
+
+if __name__ == "__main__":   # this family's rows of python -m s24jax.kernels.bench
+  raise SystemExit(timing.main(
+      BENCHMARKS, prog="python -m s24jax.kernels.sparsify24",
+      description="Benchmark compress24 / soft_compress24 against XLA."))

@@ -48,10 +48,12 @@ import functools
 import jax
 from jax import lax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 
 from . import _common as c
+from . import timing
+from .compressed_matmul import bench_operands
+from .mvue24 import mvue24_compress
 
 BACKEND_ELSEWHERE = "xla"    # the sparse layer's backend that runs on any device
 _TILE_M = 128                # tcgen05 sparse MMA: M = 128 per CTA
@@ -83,6 +85,8 @@ class NotBlackwellError(RuntimeError):
 
 
 def _plgpu():
+  # Imported when a tcgen05 kernel is built, not with this module: Mosaic GPU adds ~0.3 s to
+  # every import of the package, and nothing else here needs it.
   from jax.experimental.pallas import mosaic_gpu as plgpu   # pylint: disable=g-import-not-at-top
   return plgpu
 
@@ -348,7 +352,6 @@ def weight_grad(dy: jax.Array, x: jax.Array, seed, *,
   dy (T, out), x (T, in), T a multiple of 4; seed: uint32 (kernels.seed_from_key(key)).
   Unbiased: E[dW~] = dY^T x. `interpret` applies to the MVUE compress kernel only.
   """
-  from .mvue24 import mvue24_compress   # pylint: disable=g-import-not-at-top
   check_device()
   values, meta = mvue24_compress(dy.T, seed, interpret=interpret)   # (out, T/2), (out, T/32)
   return sparse_matmul(values, meta, x.T, config=config)
@@ -362,36 +365,28 @@ def reference(a_values, a_meta, b, out_dtype=None) -> jax.Array:
 
 
 # ---------------------------------------------------------------------------------------------
-# Cases for `python -m s24jax.kernels.compile_check --gpu b200`
+# Benchmark rows (python -m s24jax.kernels.bench --only tcgen05; kernels/timing.py)
 
 
-def compile_check_cases(gpu: str, widths, tokens):
-  """The three GEMM forms at the GPT-2 FFN shapes, for kernels.compile_check."""
-  from .compile_check import Case   # pylint: disable=g-import-not-at-top
-  from . import aot   # pylint: disable=g-import-not-at-top
-  bf = jnp.bfloat16
-  S = lambda shape, dtype=bf: aot.spec(shape, dtype, gpu)   # noqa: E731
-  name = "tcgen05_sparse_matmul"
-  expect = {name: ("tcgen05.mma.sp",)}
-  out = []
-  for d in widths:
-    for t in tokens:
-      for (n_out, n_in) in ((4 * d, d), (d, 4 * d)):
-        w = (S((n_out, n_in // 2)), S((n_out, c.meta_words(n_in)), jnp.uint32))
-        wt = (S((n_in, n_out // 2)), S((n_in, c.meta_words(n_out)), jnp.uint32))
-        sh = f"T{t} W{n_out}x{n_in}"
-        # GEMM (M, N, K): sparse A is M x K, B is N x K.
-        for case, fn, args, (m, n, k) in (
-            ("tcgen05_forward", lambda x, v, m: forward(x, v, m),
-             (S((t, n_in)), *w), (n_out, t, n_in)),
-            ("tcgen05_data_grad", lambda dy, v, m: data_grad(dy, v, m),
-             (S((t, n_out)), *wt), (n_in, t, n_out)),
-            ("tcgen05_weight_grad", lambda dy, x, s: weight_grad(dy, x, s),
-             (S((t, n_out)), S((t, n_in)), S((), jnp.uint32)), (n_out, n_in, t))):
-          exp = {**expect, "mvue24": None} if case == "tcgen05_weight_grad" else expect
-          out.append(Case(case, sh, fn, args, exp, {name: smem_bytes(k, n)},
-                          {name: kernel_key(m, n, k)}, {name: case}))
-  return out
+def _bench_tcgen05(shapes, dtype, interpret, reps):
+  """The forward 2:4 GEMM on Blackwell's sparse tensor cores vs the dense XLA GEMM of the
+  same shape (TFLOP/s dense-equivalent)."""
+  try:
+    check_device()
+  except NotBlackwellError:
+    yield dict(kernel="tcgen05", shape="-", note="skipped: not a Blackwell GPU")
+    return
+  del interpret
+  for t, n, k in shapes:
+    x, values, meta, dense = bench_operands(t, n, k, dtype)
+    fwd = jax.jit(forward)
+    yield timing.row("tcgen05_forward", (t, n, k),
+                     timing.time_fn(fwd, x, values, meta, reps=reps),
+                     timing.time_fn(jax.jit(timing.dense_mm), x, dense, reps=reps),
+                     flops=2 * t * n * k, note="xla: dense x @ W~^T")
+
+
+BENCHMARKS = {"tcgen05": _bench_tcgen05}
 
 
 __all__ = ["NotBlackwellError", "Tcgen05Config", "check_device", "data_grad", "forward",
@@ -399,7 +394,7 @@ __all__ = ["NotBlackwellError", "Tcgen05Config", "check_device", "data_grad", "f
            "sparse_matmul", "tcgen05_metadata", "weight_grad"]
 
 
-if __name__ == "__main__":   # python -m s24jax.kernels.tcgen05: this family's rows of kernels.bench
-  import sys   # pylint: disable=g-import-not-at-top
-  from . import bench   # pylint: disable=g-import-not-at-top
-  sys.exit(bench.main(["--only", "tcgen05", *sys.argv[1:]]))
+if __name__ == "__main__":   # this family's rows of python -m s24jax.kernels.bench
+  raise SystemExit(timing.main(
+      BENCHMARKS, prog="python -m s24jax.kernels.tcgen05",
+      description="Benchmark the tcgen05 2:4 GEMM (Blackwell only) against XLA."))

@@ -42,6 +42,7 @@ from jax.experimental import pallas as pl
 from . import _common as c
 from .sparsify24 import compress24_reference
 from . import masks
+from . import timing
 
 # [90, 16] 0/1 matrix, entry 4r + c set when pattern p keeps (r, c); the
 # pattern order (it decides ties) is the reference's.
@@ -227,7 +228,28 @@ def transposable_compressed_reference(w: jax.Array):
           compress24_reference(w.T, mask.T))
 
 
-if __name__ == "__main__":   # python -m s24jax.kernels.transposable_mask: this family's rows of kernels.bench
-  import sys   # pylint: disable=g-import-not-at-top
-  from . import bench   # pylint: disable=g-import-not-at-top
-  sys.exit(bench.main(["--only", "transposable", *sys.argv[1:]]))
+# ----------------------------------------------------------------------------
+# Benchmark rows (python -m s24jax.kernels.bench; kernels/timing.py).
+# ----------------------------------------------------------------------------
+def _bench_transposable(shapes, dtype, interpret, reps):
+  for n, k in shapes:
+    w = jax.random.normal(jax.random.key(0), (n, k), dtype)
+    for wc in (False, True):
+      fast = jax.jit(functools.partial(transposable_mask24, with_compressed=wc,
+                                       interpret=interpret))
+      ref = jax.jit(transposable_compressed_reference if wc
+                    else transposable_mask_reference)
+      out_bytes = w.size * (1 + (2 * w.dtype.itemsize * 0.5 + 0.25 if wc else 0))
+      yield timing.row("transposable" + ("+compress" if wc else ""), (n, k),
+                       timing.time_fn(fast, w, reps=reps),
+                       timing.time_fn(ref, w, reps=reps),
+                       nbytes=w.size * w.dtype.itemsize + out_bytes)
+
+
+BENCHMARKS = {"transposable": _bench_transposable}
+
+
+if __name__ == "__main__":   # this family's rows of python -m s24jax.kernels.bench
+  raise SystemExit(timing.main(
+      BENCHMARKS, prog="python -m s24jax.kernels.transposable_mask",
+      description="Benchmark transposable_mask24 against XLA."))

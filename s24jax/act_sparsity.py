@@ -53,7 +53,9 @@ import numpy as np
 from flax import traverse_util
 
 from s24jax import hooks as hooks_lib
+from s24jax.kernels import interpret_default
 from s24jax.kernels import masks
+from s24jax.kernels import venom
 
 KINDS = ("none", "venom")
 # Names of the sown statistics (per MLP) and their metric prefix: `act/<stat>/<layer>`.
@@ -199,7 +201,7 @@ register_act_backend("xla", ActBackend(select=masks.venom_select))
 
 
 # ----------------------------------------------------------------------------------------
-# The 'pallas' backend: kernels/venom.py (imported on first use; N = 2, v a power of two,
+# The 'pallas' backend: kernels/venom.py (N = 2, v a power of two,
 # m in {4, 8, 16}). Selection and compression in one kernel pass, the forward matmul from
 # the compressed activations; backward: dense XLA matmuls (dh = dy W, dW = dy^T h_sparse).
 # On CPU the kernels run in Pallas interpret mode (slow: for tests).
@@ -207,7 +209,6 @@ register_act_backend("xla", ActBackend(select=masks.venom_select))
 
 
 def _pallas_select(h2: jax.Array, v: int, n: int, m: int):
-  from s24jax.kernels import interpret_default, venom   # pylint: disable=g-import-not-at-top
   if n != 2:
     raise ValueError(f"act_sparsity.backend='pallas' (kernels/venom.py) keeps 2 of the 4 "
                      f"chosen columns; got act_sparsity.n={n}.")
@@ -219,7 +220,6 @@ def _pallas_select(h2: jax.Array, v: int, n: int, m: int):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def _pallas_matmul_op(h_sparse, w, values, vmeta, cols, v, m):
-  from s24jax.kernels import interpret_default, venom   # pylint: disable=g-import-not-at-top
   return venom.venom_matmul(values, vmeta, cols, w.astype(values.dtype), v=v, m=m,
                             interpret=interpret_default())
 

@@ -56,7 +56,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from s24jax import fp8 as fp8_lib
+from s24jax import kernels
 from s24jax.kernels import masks
+from s24jax.kernels import tcgen05
 
 # See "Backends" above; sparsity.backend must be one of these.
 BACKENDS = ("xla", "pallas", "pallas_always", "tcgen05")
@@ -166,7 +168,6 @@ def uses_pallas_kernels(backend: str, tokens: int, out_features: int,
   if backend == "pallas_always":
     return True
   if backend == "pallas":
-    from s24jax import kernels   # pylint: disable=g-import-not-at-top  (Pallas only when used)
     return kernels.should_use_pallas_matmul(tokens, out_features, in_features)
   return False
 
@@ -174,21 +175,18 @@ def uses_pallas_kernels(backend: str, tokens: int, out_features: int,
 def _compress(w: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
   """compress24(W~) in the compute dtype: values (out, in/2), meta (out, ceil(in/32)) uint32.
   W~ is 2:4 already, so the kernel's top-2-of-|W~| keeps exactly its non-zeros."""
-  from s24jax import kernels   # pylint: disable=g-import-not-at-top  (Pallas only when used)
   return kernels.compress24(w.astype(dtype), interpret=kernels.interpret_default())
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _pallas_linear_2d(opts: GemmOptions, x: jax.Array, w: jax.Array,
                       key: jax.Array | None) -> jax.Array:
-  from s24jax import kernels   # pylint: disable=g-import-not-at-top
   values, meta = _compress(w, x.dtype)
   return kernels.sparse24_matmul(x, values, meta,
                                  interpret=kernels.interpret_default())  # (N, out)
 
 
 def _pallas_linear_2d_fwd(opts, x, w, key):
-  from s24jax import kernels   # pylint: disable=g-import-not-at-top
   values, meta = _compress(w, x.dtype)                     # (out, in/2), (out, in/32)
   y = kernels.sparse24_matmul(x, values, meta,
                               interpret=kernels.interpret_default())   # (N, out)
@@ -198,7 +196,6 @@ def _pallas_linear_2d_fwd(opts, x, w, key):
 
 
 def _pallas_linear_2d_bwd(opts, res, dy):
-  from s24jax import kernels   # pylint: disable=g-import-not-at-top
   x, values, meta, w_dtype_like, key = res
   dx = kernels.sparse24_matmul_dx(
       dy.astype(values.dtype), values, meta,
@@ -220,7 +217,6 @@ _pallas_linear_2d.defvjp(_pallas_linear_2d_fwd, _pallas_linear_2d_bwd)
 
 
 def _tcgen05():
-  from s24jax.kernels import tcgen05   # pylint: disable=g-import-not-at-top  (Mosaic GPU when used)
   tcgen05.check_device()
   return tcgen05
 
@@ -233,7 +229,6 @@ def _tcgen05_linear_2d(opts: GemmOptions, x: jax.Array, w: jax.Array,
 
 
 def _tcgen05_linear_2d_fwd(opts, x, w, key):
-  from s24jax import kernels   # pylint: disable=g-import-not-at-top
   values, meta = _compress(w, x.dtype)                               # along in
   y = _tcgen05().forward(x, values, meta)                            # (N, out)
   # dX^T = W~^T dY^T needs W~^T 2:4, i.e. W~ compressed along `out`: only for transposable
@@ -244,7 +239,6 @@ def _tcgen05_linear_2d_fwd(opts, x, w, key):
 
 
 def _tcgen05_linear_2d_bwd(opts, res, dy):
-  from s24jax import kernels   # pylint: disable=g-import-not-at-top
   x, wt, key = res
   tc = _tcgen05()
   dy = dy.astype(x.dtype)

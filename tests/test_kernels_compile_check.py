@@ -1,4 +1,4 @@
-"""kernels.compile_check and s24jax.kernels.aot: deviceless GPU compiles of the kernels.
+"""s24jax.kernels.compile_check and s24jax.kernels.aot: deviceless GPU compiles of the kernels.
 
 The `aot` tests compile for real (XLA's CUDA compiler, ptxas) and are skipped without the
 CUDA compile plugin (requirements-gpu-aot.txt). Each runs the command line in a subprocess:
@@ -60,7 +60,7 @@ def test_missing_plugin_names_the_install_command(monkeypatch):
 def _run(tmp_path, *args):
   out = tmp_path / "cc.json"
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  r = subprocess.run([sys.executable, "-m", "kernels.compile_check", *args, "--json",
+  r = subprocess.run([sys.executable, "-m", "s24jax.kernels.compile_check", *args, "--json",
                       str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
                      timeout=900, check=False)
   assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

@@ -1,6 +1,7 @@
 """kernels.gated_activation: fused GEGLU / SwiGLU forward and custom_vjp
 backward."""
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -16,16 +17,15 @@ VARIANTS = [("geglu", True), ("geglu", False), ("swiglu", True)]
 
 
 def _np_gated(x, kind, approximate):
-  from math import erf, sqrt, pi
   x = np.asarray(x, np.float64)
   h = x.shape[-1] // 2
   v, g = x[..., :h], x[..., h:]
   if kind == "swiglu":
     act = g / (1 + np.exp(-g))
   elif approximate:
-    act = 0.5 * g * (1 + np.tanh(sqrt(2 / pi) * (g + 0.044715 * g ** 3)))
+    act = 0.5 * g * (1 + np.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g ** 3)))
   else:
-    act = 0.5 * g * (1 + np.vectorize(erf)(g / sqrt(2)))
+    act = 0.5 * g * (1 + np.vectorize(math.erf)(g / math.sqrt(2)))
   return v * act
 
 

@@ -20,6 +20,7 @@ import pytest
 
 from s24jax import loop
 from s24jax import train
+from s24jax.kernels import tcgen05
 from s24jax.model import GPT2
 
 import test_pallas_backend as pallas_tests   # the shared op/training bodies
@@ -36,7 +37,6 @@ def _config(backend, **overrides):
 
 
 def test_tcgen05_off_blackwell_names_the_backend_that_runs():
-  from s24jax.kernels import tcgen05   # pylint: disable=g-import-not-at-top
   c = _config("tcgen05")
   _, model_cfg, tx_fn = loop.build(c)   # building the config is fine anywhere
   model = GPT2(model_cfg)

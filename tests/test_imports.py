@@ -1,0 +1,258 @@
+"""The import graph of s24jax/ and kernels/ (installed as s24jax.kernels), read from the source.
+
+Every import statement counts, at module level or inside a function (a function-local import
+is still a dependency, only a later one); imports under `if TYPE_CHECKING:` never run and are
+skipped. `from pkg import name` is an edge to `pkg.name` when that is a module, else to `pkg`
+(its __init__); relative imports are resolved against the importing module's package.
+
+Checked:
+  * no import cycle, reported per part (s24jax.kernels, the rest of s24jax) as a path of
+    modules with the line of each import;
+  * kernels/ imports no s24jax module outside s24jax.kernels (it is installable and testable
+    without the training library);
+  * no library module imports a tool (the command-line modules in TOOLS).
+"""
+from __future__ import annotations
+
+import ast
+import os
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+# Source folder -> the package it is installed as (pyproject.toml's package-dir).
+PACKAGE_DIRS = {"s24jax": "s24jax", "kernels": "s24jax.kernels"}
+KERNELS = "s24jax.kernels"
+# Command-line tools: modules that may import the library, never the other way round.
+TOOLS = ("s24jax.plan", "s24jax.compare", "s24jax.kernels.bench",
+         "s24jax.kernels.compile_check", "launch")
+EXTRA_MODULES = {"launch": "launch.py"}   # tools outside the package (scanned, and a target)
+
+
+def find_modules(root: pathlib.Path, package_dirs=PACKAGE_DIRS,
+                 extra=EXTRA_MODULES) -> dict[str, pathlib.Path]:
+  """Dotted module name -> source file."""
+  mods = {}
+  for folder, package in package_dirs.items():
+    base = root / folder
+    for dirpath, dirnames, files in os.walk(base):
+      dirnames[:] = sorted(d for d in dirnames if not d.startswith((".", "__pycache__")))
+      rel = pathlib.Path(dirpath).relative_to(base).parts
+      for f in sorted(files):
+        if not f.endswith(".py"):
+          continue
+        parts = [package, *rel] + ([] if f == "__init__.py" else [f[:-3]])
+        mods[".".join(parts)] = pathlib.Path(dirpath) / f
+  for name, rel_path in extra.items():
+    if (root / rel_path).exists():
+      mods[name] = root / rel_path
+  return mods
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+  return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+      isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _import_nodes(tree: ast.AST):
+  """Every Import / ImportFrom in the tree, skipping `if TYPE_CHECKING:` bodies."""
+  stack = [tree]
+  while stack:
+    node = stack.pop()
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+      yield node
+    if isinstance(node, ast.If) and _is_type_checking(node.test):
+      stack.extend(node.orelse)
+      continue
+    stack.extend(ast.iter_child_nodes(node))
+
+
+def _known_prefix(name: str, mods) -> str | None:
+  """The longest dotted prefix of `name` that is a scanned module (None: external)."""
+  parts = name.split(".")
+  for i in range(len(parts), 0, -1):
+    cand = ".".join(parts[:i])
+    if cand in mods:
+      return cand
+  return None
+
+
+def import_edges(mods: dict[str, pathlib.Path]) -> dict[str, dict[str, int]]:
+  """module -> {imported scanned module: line of the first such import}."""
+  edges: dict[str, dict[str, int]] = {}
+  for mod, path in mods.items():
+    is_package = path.name == "__init__.py"
+    package = mod if is_package else mod.rpartition(".")[0]
+    out: dict[str, int] = {}
+    for node in _import_nodes(ast.parse(path.read_text(), str(path))):
+      targets = []
+      if isinstance(node, ast.Import):
+        targets = [_known_prefix(a.name, mods) for a in node.names]
+      else:
+        base = node.module or ""
+        if node.level:
+          parts = package.split(".")
+          keep = len(parts) - (node.level - 1)
+          if keep <= 0:
+            raise ValueError(f"{path}:{node.lineno}: relative import beyond the top package")
+          base = ".".join(parts[:keep] + ([base] if base else []))
+        for a in node.names:
+          sub = f"{base}.{a.name}"
+          targets.append(sub if sub in mods else _known_prefix(base, mods))
+      for t in targets:
+        if t is not None and t != mod:
+          out.setdefault(t, node.lineno)
+    edges[mod] = out
+  return edges
+
+
+def strongly_connected(edges: dict[str, dict[str, int]]) -> list[list[str]]:
+  """The import cycles: strongly connected components of more than one module (Tarjan,
+  iterative), or a module importing itself."""
+  index: dict[str, int] = {}
+  low: dict[str, int] = {}
+  stack: list[str] = []
+  on_stack: set[str] = set()
+  sccs = []
+  counter = 0
+  for start in sorted(edges):
+    if start in index:
+      continue
+    work = [(start, iter(sorted(edges.get(start, ()))))]
+    index[start] = low[start] = counter
+    counter += 1
+    stack.append(start)
+    on_stack.add(start)
+    while work:
+      v, it = work[-1]
+      w = next(it, None)
+      if w is not None:
+        if w not in index:
+          index[w] = low[w] = counter
+          counter += 1
+          stack.append(w)
+          on_stack.add(w)
+          work.append((w, iter(sorted(edges.get(w, ())))))
+        elif w in on_stack:
+          low[v] = min(low[v], index[w])
+        continue
+      work.pop()
+      if work:
+        low[work[-1][0]] = min(low[work[-1][0]], low[v])
+      if low[v] == index[v]:
+        comp = []
+        while True:
+          x = stack.pop()
+          on_stack.discard(x)
+          comp.append(x)
+          if x == v:
+            break
+        if len(comp) > 1 or v in edges.get(v, {}):
+          sccs.append(sorted(comp))
+  return sccs
+
+
+def cycle_path(comp: list[str], edges, mods) -> str:
+  """One concrete cycle through the component, as 'a (file:line) -> b ... -> a'."""
+  members = set(comp)
+  start = comp[0]
+  # Breadth-first from start's successors back to start, inside the component.
+  prev = {}
+  frontier = [start]
+  found = False
+  while frontier and not found:
+    nxt = []
+    for v in frontier:
+      for w in sorted(edges[v]):
+        if w not in members:
+          continue
+        if w == start:
+          prev.setdefault(("end",), v)
+          found = True
+          break
+        if w not in prev:
+          prev[w] = v
+          nxt.append(w)
+      if found:
+        break
+    frontier = nxt
+  back = []
+  v = prev[("end",)]
+  while v != start:
+    back.append(v)
+    v = prev[v]
+  path = [start, *back[::-1], start]
+  steps = []
+  for a, b in zip(path, path[1:]):
+    rel = os.path.relpath(mods[a], ROOT)
+    steps.append(f"{a} ({rel}:{edges[a][b]})")
+  return " -> ".join(steps + [path[-1]])
+
+
+class _Graph(tuple):
+  def __repr__(self):   # pytest prints fixtures of a failing test: keep that one line
+    return f"<import graph of {len(self[0])} modules>"
+
+
+@pytest.fixture(scope="module")
+def graph():
+  mods = find_modules(ROOT)
+  assert f"{KERNELS}._common" in mods and "s24jax.sparse_ops" in mods, sorted(mods)
+  return _Graph((mods, import_edges(mods)))
+
+
+def _in(mod: str, package: str) -> bool:
+  return mod == package or mod.startswith(package + ".")
+
+
+@pytest.mark.parametrize("part", ["s24jax.kernels", "s24jax outside s24jax.kernels"])
+def test_no_import_cycles(graph, part):
+  mods, edges = graph
+  cycles = [comp for comp in strongly_connected(edges)
+            if any(_in(m, KERNELS) for m in comp) == (part == KERNELS)]
+  assert not cycles, (
+      f"{len(cycles)} import cycle(s) in {part} (function-local imports count):\n"
+      + "\n".join(f"  modules {comp}\n    e.g. {cycle_path(comp, edges, mods)}"
+                  for comp in cycles))
+
+
+def test_kernels_import_nothing_of_s24jax_outside_kernels(graph):
+  mods, edges = graph
+  bad = [f"{a} ({os.path.relpath(mods[a], ROOT)}:{line}) imports {b}"
+         for a in sorted(edges) if _in(a, KERNELS)
+         for b, line in sorted(edges[a].items()) if not _in(b, KERNELS)]
+  assert not bad, "kernels/ must import only inside s24jax.kernels:\n  " + "\n  ".join(bad)
+
+
+def test_library_imports_no_tool(graph):
+  mods, edges = graph
+  assert all(t in mods for t in TOOLS), [t for t in TOOLS if t not in mods]
+  bad = [f"{a} ({os.path.relpath(mods[a], ROOT)}:{line}) imports the tool {b}"
+         for a in sorted(edges) if a not in TOOLS
+         for b, line in sorted(edges[a].items()) if b in TOOLS]
+  assert not bad, "library modules must not import tools:\n  " + "\n  ".join(bad)
+
+
+def test_the_scan_sees_function_local_relative_cycles(tmp_path):
+  """The checks above would pass vacuously if the scan missed edges: a planted cycle
+  through a function-local `from . import` and a `from pkg.sub import name` is found,
+  and `from . import name` of a non-module points at the package."""
+  pkg = tmp_path / "pkg"
+  (pkg / "sub").mkdir(parents=True)
+  (pkg / "__init__.py").write_text("from .a import f\n")
+  (pkg / "a.py").write_text("def f():\n  from . import b\n  return b\n")
+  (pkg / "b.py").write_text("from pkg.sub.c import g\n")
+  (pkg / "sub" / "__init__.py").write_text("")
+  (pkg / "sub" / "c.py").write_text("from .. import a\nfrom .. import f\n"
+                                    "from typing import TYPE_CHECKING\n"
+                                    "if TYPE_CHECKING:\n  import pkg.b\n")
+  mods = find_modules(tmp_path, {"pkg": "pkg"}, {})
+  edges = import_edges(mods)
+  assert edges["pkg.a"] == {"pkg.b": 2}
+  assert edges["pkg.sub.c"] == {"pkg.a": 1, "pkg": 2}
+  assert strongly_connected(edges) == [["pkg", "pkg.a", "pkg.b", "pkg.sub.c"]]
+  path = cycle_path(["pkg.a", "pkg.b", "pkg.sub.c"], edges, mods)
+  assert path.startswith("pkg.a (") and path.endswith("-> pkg.a"), path
+  assert [step.split(" (")[0] for step in path.split(" -> ")] == [
+      "pkg.a", "pkg.b", "pkg.sub.c", "pkg.a"], path
