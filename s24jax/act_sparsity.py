@@ -53,7 +53,7 @@ import numpy as np
 from flax import traverse_util
 
 from s24jax import hooks as hooks_lib
-from s24jax.kernels import interpret_default
+from s24jax.kernels._common import interpret_default
 from s24jax.kernels import masks
 from s24jax.kernels import venom
 

@@ -18,6 +18,7 @@ import jax
 import ml_collections
 import numpy as np
 from absl import logging
+from tqdm import tqdm
 from jax.experimental import multihost_utils
 
 from s24jax import checkpoint as ckpt_lib
@@ -185,7 +186,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     _write_config(workdir, config, run.step)
   chores = standard_hooks(run)
 
-  from tqdm import tqdm  # pylint: disable=g-import-not-at-top
   bar = tqdm(total=run.total, initial=run.step, dynamic_ncols=True, mininterval=1.0,
              disable=not primary)
   try:

@@ -23,7 +23,7 @@ matmuls on the masked matrices (mathematically the sparse product; no speed-up).
 
 Backends (`sparsity.backend`, chosen per call in `uses_pallas_kernels`, the one place):
   'xla'            the reference above.
-  'pallas'         the Pallas kernels (kernels/) where `kernels.should_use_pallas_matmul`
+  'pallas'         the Pallas kernels (kernels/) where `compressed_matmul.should_use_pallas_matmul`
                    expects them to win (a GPU, few tokens: the memory-bound regime), 'xla'
                    elsewhere. On CPU that is always 'xla'.
   'pallas_always'  the Pallas kernels for every sparse layer (equivalence tests, benchmarks).
@@ -31,8 +31,8 @@ Backends (`sparsity.backend`, chosen per call in `uses_pallas_kernels`, the one 
                    dX^T = W~^T dY^T (transposable masks; dense otherwise) and, with MVUE, the
                    weight gradient MVUE(dY^T) x on 2:4 sparse tensor cores (kernels/tcgen05.py).
                    Compiled for a B200, never run (no Blackwell GPU here).
-The Pallas path (`_pallas_linear_2d`) compresses W~ once per call (`kernels.compress24`),
-runs the forward (`kernels.sparse24_matmul`) and dX = dY W~ (`sparse24_matmul_dx`) on the
+The Pallas path (`_pallas_linear_2d`) compresses W~ once per call (`sparsify24.compress24`),
+runs the forward (`compressed_matmul.sparse24_matmul`) and dX = dY W~ (`sparse24_matmul_dx`) on the
 compressed operand, and keeps the weight gradient the dense dY^T x (or its MVUE version)
 from `_wgrad_gemm`: the kernel's own dvalues exist only at kept positions, and
 straight-through projections need dL/dW~ at the pruned ones too. It assumes W~ is 2:4 along
@@ -56,7 +56,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from s24jax import fp8 as fp8_lib
-from s24jax import kernels
+from s24jax.kernels import _common
+from s24jax.kernels import compressed_matmul
+from s24jax.kernels import mvue24
+from s24jax.kernels import sparsify24
 from s24jax.kernels import masks
 from s24jax.kernels import tcgen05
 
@@ -163,33 +166,33 @@ _sparse_linear_2d.defvjp(_sparse_linear_2d_fwd, _sparse_linear_2d_bwd)
 def uses_pallas_kernels(backend: str, tokens: int, out_features: int,
                         in_features: int) -> bool:
   """Whether a sparse layer with these (static) sizes runs the Pallas kernels: always for
-  'pallas_always', where `kernels.should_use_pallas_matmul` expects a win for 'pallas'
+  'pallas_always', where `compressed_matmul.should_use_pallas_matmul` expects a win for 'pallas'
   (false off a GPU), never for 'xla'. The only place the backend choice is made."""
   if backend == "pallas_always":
     return True
   if backend == "pallas":
-    return kernels.should_use_pallas_matmul(tokens, out_features, in_features)
+    return compressed_matmul.should_use_pallas_matmul(tokens, out_features, in_features)
   return False
 
 
 def _compress(w: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
   """compress24(W~) in the compute dtype: values (out, in/2), meta (out, ceil(in/32)) uint32.
   W~ is 2:4 already, so the kernel's top-2-of-|W~| keeps exactly its non-zeros."""
-  return kernels.compress24(w.astype(dtype), interpret=kernels.interpret_default())
+  return sparsify24.compress24(w.astype(dtype), interpret=_common.interpret_default())
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _pallas_linear_2d(opts: GemmOptions, x: jax.Array, w: jax.Array,
                       key: jax.Array | None) -> jax.Array:
   values, meta = _compress(w, x.dtype)
-  return kernels.sparse24_matmul(x, values, meta,
-                                 interpret=kernels.interpret_default())  # (N, out)
+  return compressed_matmul.sparse24_matmul(x, values, meta,
+                                 interpret=_common.interpret_default())  # (N, out)
 
 
 def _pallas_linear_2d_fwd(opts, x, w, key):
   values, meta = _compress(w, x.dtype)                     # (out, in/2), (out, in/32)
-  y = kernels.sparse24_matmul(x, values, meta,
-                              interpret=kernels.interpret_default())   # (N, out)
+  y = compressed_matmul.sparse24_matmul(x, values, meta,
+                              interpret=_common.interpret_default())   # (N, out)
   # The compressed operand (~56% of W~'s bytes) is what dX needs; w itself only for its
   # dtype (a zero-size array: residuals must be arrays).
   return y, (x, values, meta, jnp.zeros((0,), w.dtype), key)
@@ -197,9 +200,9 @@ def _pallas_linear_2d_fwd(opts, x, w, key):
 
 def _pallas_linear_2d_bwd(opts, res, dy):
   x, values, meta, w_dtype_like, key = res
-  dx = kernels.sparse24_matmul_dx(
+  dx = compressed_matmul.sparse24_matmul_dx(
       dy.astype(values.dtype), values, meta,
-      interpret=kernels.interpret_default()).astype(x.dtype)            # (N, in)
+      interpret=_common.interpret_default()).astype(x.dtype)            # (N, in)
   # dL/dW~ at every position, pruned ones included (what STE-style projections map to dW).
   dw = _wgrad_gemm(dy, x.astype(dy.dtype), key, opts).astype(w_dtype_like.dtype)  # (out, in)
   dkey = None if key is None else np.zeros(key.shape, jax.dtypes.float0)
@@ -233,7 +236,7 @@ def _tcgen05_linear_2d_fwd(opts, x, w, key):
   y = _tcgen05().forward(x, values, meta)                            # (N, out)
   # dX^T = W~^T dY^T needs W~^T 2:4, i.e. W~ compressed along `out`: only for transposable
   # masks; otherwise dX is the dense XLA GEMM on W~.
-  wt = (kernels.compress24(w.T.astype(x.dtype), interpret=False) if opts.transposable
+  wt = (sparsify24.compress24(w.T.astype(x.dtype), interpret=False) if opts.transposable
         else w.astype(x.dtype))
   return y, (x, wt, key)
 
@@ -249,7 +252,7 @@ def _tcgen05_linear_2d_bwd(opts, res, dy):
   if opts.mvue:   # the point of MVUE: dW = MVUE(dY^T) x, 2:4 along the tokens
     if key is None:
       raise ValueError("sparsity.mvue needs a PRNG key (rngs={'sparsity': key})")
-    dw = tc.weight_grad(dy, x, kernels.seed_from_key(key))          # (out, in)
+    dw = tc.weight_grad(dy, x, mvue24.seed_from_key(key))          # (out, in)
   else:
     dw = _matmul_f32(dy.T, x, ((1,), (0,)))                          # (out, in), dense
   dkey = None if key is None else np.zeros(key.shape, jax.dtypes.float0)

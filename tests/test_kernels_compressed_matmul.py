@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from s24jax import kernels
+from s24jax.kernels import compressed_matmul
 from s24jax.kernels import _common as c
 from s24jax.kernels import compressed_matmul as sm
 from s24jax.kernels import sparsify24 as sp
@@ -69,7 +69,7 @@ def test_forward_and_gradients(interpret, m, n, k):
 def test_public_api_batch_dims_bf16_and_jax_grad(interpret):
   x, values, meta, _ = _operands(6, 32, 64, jnp.bfloat16, seed=1)
   x3 = x.reshape(2, 3, 64)
-  y = kernels.sparse24_matmul(x3, values, meta, interpret=interpret)
+  y = compressed_matmul.sparse24_matmul(x3, values, meta, interpret=interpret)
   assert y.shape == (2, 3, 32) and y.dtype == jnp.bfloat16
   np.testing.assert_allclose(
       np.asarray(y, np.float32),
@@ -77,7 +77,7 @@ def test_public_api_batch_dims_bf16_and_jax_grad(interpret):
 
   def loss(fn):
     return lambda x, v: jnp.sum(fn(x, v, meta).astype(jnp.float32) ** 2)
-  g = jax.grad(loss(lambda x, v, m: kernels.sparse24_matmul(
+  g = jax.grad(loss(lambda x, v, m: compressed_matmul.sparse24_matmul(
       x, v, m, interpret=interpret)), argnums=(0, 1))(x3, values)
   gr = jax.grad(loss(sm.sparse24_matmul_reference), argnums=(0, 1))(x3, values)
   for a, b in zip(g, gr):
@@ -99,16 +99,16 @@ def test_should_use_pallas_matmul():
 def test_bad_inputs_are_errors():
   x, values, meta, _ = _operands(4, 16, 64)
   with pytest.raises(ValueError, match="must equal"):
-    kernels.sparse24_matmul(x[:, :32], values, meta, interpret=True)
+    compressed_matmul.sparse24_matmul(x[:, :32], values, meta, interpret=True)
   with pytest.raises(ValueError, match="share"):
-    kernels.sparse24_matmul(x.astype(jnp.bfloat16), values, meta,
+    compressed_matmul.sparse24_matmul(x.astype(jnp.bfloat16), values, meta,
                             interpret=True)
   with pytest.raises(ValueError, match="meta shape"):
-    kernels.sparse24_matmul(x, values, meta[:, :1], interpret=True)
+    compressed_matmul.sparse24_matmul(x, values, meta[:, :1], interpret=True)
   with pytest.raises(ValueError, match="2-D"):
-    kernels.sparse24_matmul(x, values[None], meta[None], interpret=True)
+    compressed_matmul.sparse24_matmul(x, values[None], meta[None], interpret=True)
   with pytest.raises(ValueError, match="multiple of 4"):
-    kernels.sparse24_matmul(jnp.ones((2, 6)), jnp.ones((4, 3)),
+    compressed_matmul.sparse24_matmul(jnp.ones((2, 6)), jnp.ones((4, 3)),
                             jnp.zeros((4, 1), jnp.uint32), interpret=True)
 
 
@@ -118,8 +118,8 @@ def test_lowers_to_triton_forward_and_backward():
   meta = jnp.full((3072, 24), c.EMPTY_WORD, jnp.uint32)
 
   def loss(x, v):
-    return kernels.sparse24_matmul(x, v, meta).astype(jnp.float32).sum()
-  assert_lowers_to_triton(lambda x, v: kernels.sparse24_matmul(x, v, meta),
+    return compressed_matmul.sparse24_matmul(x, v, meta).astype(jnp.float32).sum()
+  assert_lowers_to_triton(lambda x, v: compressed_matmul.sparse24_matmul(x, v, meta),
                           x, values, expected_calls=1)
   # forward + dx + dvalues (value_and_grad keeps the forward alive).
   assert_lowers_to_triton(jax.value_and_grad(loss, argnums=(0, 1)), x, values,

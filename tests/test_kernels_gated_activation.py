@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from s24jax import kernels
+from s24jax.kernels import gated_activation
 from s24jax.kernels import gated_activation as ga
 from s24jax.kernels._testing import MODES, assert_lowers_to_triton
 
@@ -65,7 +65,7 @@ def test_matches_project_activation_bf16(interpret):
   x = jax.random.normal(jax.random.key(2), (2, 8, 64), jnp.bfloat16)
   dy = jax.random.normal(jax.random.key(3), (2, 8, 32), jnp.bfloat16)
   for kind in ("geglu", "swiglu"):
-    y, vjp = jax.vjp(lambda x: kernels.gated_act(x, kind, interpret=interpret),
+    y, vjp = jax.vjp(lambda x: gated_activation.gated_act(x, kind, interpret=interpret),
                      x)
     yr, vjpr = jax.vjp(lambda x: acts.gated_act(kind, x), x)
     assert y.dtype == jnp.bfloat16
@@ -78,9 +78,9 @@ def test_matches_project_activation_bf16(interpret):
 
 def test_bad_inputs_are_errors():
   with pytest.raises(ValueError, match="even"):
-    kernels.gated_act(jnp.ones((4, 7)), interpret=True)
+    gated_activation.gated_act(jnp.ones((4, 7)), interpret=True)
   with pytest.raises(ValueError, match="unknown gated activation"):
-    kernels.gated_act(jnp.ones((4, 8)), "reglu", interpret=True)
+    gated_activation.gated_act(jnp.ones((4, 8)), "reglu", interpret=True)
 
 
 @pytest.mark.parametrize("kind,approximate", VARIANTS)
@@ -88,6 +88,6 @@ def test_lowers_to_triton(kind, approximate):
   x = jnp.ones((64, 2 * 3072), jnp.bfloat16)
 
   def loss(x):
-    return kernels.gated_act(x, kind, approximate=approximate).astype(
+    return gated_activation.gated_act(x, kind, approximate=approximate).astype(
         jnp.float32).sum()
   assert_lowers_to_triton(jax.value_and_grad(loss), x, expected_calls=2)

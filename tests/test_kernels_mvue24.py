@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from s24jax import kernels
+from s24jax.kernels import mvue24
 from s24jax.kernels import masks
 from s24jax.kernels import _common as c
 from s24jax.kernels import mvue24 as mv
@@ -59,11 +59,11 @@ def test_same_draws_as_reference(interpret, shape, dtype):
 def test_draws_do_not_depend_on_tiles_or_api(interpret):
   x = _x((8, 64), seed=1)
   small = mv.Mvue24Config(block_rows=2, block_cols=32)
-  a = kernels.mvue24_compress(x, 7, interpret=interpret, config=small)
-  b = kernels.mvue24_compress(x, 7, interpret=interpret)
+  a = mvue24.mvue24_compress(x, 7, interpret=interpret, config=small)
+  b = mvue24.mvue24_compress(x, 7, interpret=interpret)
   np.testing.assert_array_equal(np.asarray(a[1]), np.asarray(b[1]))
   np.testing.assert_allclose(np.asarray(a[0]), np.asarray(b[0]), rtol=1e-6)
-  other = kernels.mvue24_compress(x, 8, interpret=interpret)
+  other = mvue24.mvue24_compress(x, 8, interpret=interpret)
   assert not np.array_equal(np.asarray(other[1]), np.asarray(b[1]))
 
 
@@ -128,15 +128,15 @@ def test_uniforms_are_uniform():
 
 
 def test_seed_from_key_and_errors():
-  s = kernels.seed_from_key(jax.random.key(0))
+  s = mvue24.seed_from_key(jax.random.key(0))
   assert s.dtype == jnp.uint32 and s.shape == ()
   with pytest.raises(ValueError, match="multiple of 4"):
-    kernels.mvue24_compress(jnp.ones((2, 6)), 0, interpret=True)
+    mvue24.mvue24_compress(jnp.ones((2, 6)), 0, interpret=True)
   with pytest.raises(ValueError, match="floating"):
-    kernels.mvue24_compress(jnp.ones((2, 8), jnp.int32), 0, interpret=True)
+    mvue24.mvue24_compress(jnp.ones((2, 8), jnp.int32), 0, interpret=True)
 
 
 def test_lowers_to_triton():
   x = jnp.ones((768, 1024), jnp.bfloat16)
-  assert_lowers_to_triton(lambda x, s: kernels.mvue24_compress(x, s), x,
+  assert_lowers_to_triton(lambda x, s: mvue24.mvue24_compress(x, s), x,
                           jnp.uint32(5), expected_calls=1)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from s24jax import kernels
+from s24jax.kernels import sparsify24
 from s24jax.kernels import _common as c
 from s24jax.kernels import sparsify24 as sp
 from s24jax.kernels._testing import MODES, assert_lowers_to_triton, np_pack_meta
@@ -21,7 +21,7 @@ CFG = sp.Sparsify24Config()
 REF = jax.jit(sp.compress24_reference)
 SOFT_REF = jax.jit(sp.soft_compress24_reference)
 SOFT_DENSE = jax.jit(sp.soft_threshold24_reference)
-DECOMP = jax.jit(kernels.decompress24)
+DECOMP = jax.jit(sparsify24.decompress24)
 HARD_DENSE = jax.jit(lambda w: jnp.where(nm_mask(w), w, 0))
 
 
@@ -139,16 +139,16 @@ def test_public_api_and_small_blocks(interpret):
   """The public names, with non-default (tiny) blocks: several programs."""
   w = _data((8, 64), jnp.float32, "normal")
   cfg = sp.Sparsify24Config(block_rows=2, block_cols=32)
-  got = kernels.compress24(w, interpret=interpret, config=cfg)
+  got = sparsify24.compress24(w, interpret=interpret, config=cfg)
   want = REF(w)
   for a, b in zip(got, want):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   # Under jit the mask is a tracer (no concrete 2:4 check possible).
-  got_m = jax.jit(lambda w, m: kernels.compress24(
+  got_m = jax.jit(lambda w, m: sparsify24.compress24(
       w, m, interpret=interpret, config=cfg))(w, nm_mask(w))
   for a, b in zip(got_m, want):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  got_s = kernels.soft_compress24(w, jnp.float32(2.0), interpret=interpret,
+  got_s = sparsify24.soft_compress24(w, jnp.float32(2.0), interpret=interpret,
                                   config=cfg)
   for a, b in zip(got_s, SOFT_REF(w, 2.0)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -164,19 +164,19 @@ def test_all_equal_group_keeps_lowest_indices():
 @pytest.mark.parametrize("bad", [(4, 6), (4, 30), (7,)])
 def test_k_not_multiple_of_four_is_an_error(bad):
   with pytest.raises(ValueError, match="multiple of 4"):
-    kernels.compress24(jnp.ones(bad), interpret=True)
+    sparsify24.compress24(jnp.ones(bad), interpret=True)
   with pytest.raises(ValueError, match="multiple of 4"):
-    kernels.soft_compress24(jnp.ones(bad), interpret=True)
+    sparsify24.soft_compress24(jnp.ones(bad), interpret=True)
 
 
 def test_bad_inputs_are_errors():
   with pytest.raises(ValueError, match="floating"):
-    kernels.compress24(jnp.ones((4, 8), jnp.int32), interpret=True)
+    sparsify24.compress24(jnp.ones((4, 8), jnp.int32), interpret=True)
   with pytest.raises(ValueError, match="mask shape"):
-    kernels.compress24(jnp.ones((4, 8)), jnp.ones((4, 4), bool), interpret=True)
+    sparsify24.compress24(jnp.ones((4, 8)), jnp.ones((4, 4), bool), interpret=True)
   too_many = jnp.array([[True, True, True, False]])
   with pytest.raises(ValueError, match="not 2:4"):
-    kernels.compress24(jnp.ones((1, 4)), too_many, interpret=True)
+    sparsify24.compress24(jnp.ones((1, 4)), too_many, interpret=True)
   with pytest.raises(ValueError, match="power of two"):
     sp.Sparsify24Config(block_rows=3)
   with pytest.raises(ValueError, match=">= 32"):

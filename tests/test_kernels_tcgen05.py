@@ -13,12 +13,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from s24jax import kernels
+from s24jax.kernels import mvue24
+from s24jax.kernels import sparsify24
+from s24jax.kernels import transposable_mask
 from s24jax.kernels import _common as c
 from s24jax.kernels import tcgen05 as tc
 from s24jax.kernels._testing import np_decompress
 
-COMPRESS = jax.jit(kernels.compress24_reference)
+COMPRESS = jax.jit(sparsify24.compress24_reference)
 
 
 def _np_kept_pairs(w):
@@ -177,7 +179,7 @@ def test_layer_gemms_match_the_xla_backend():
   t, d_in, d_out = 256, 256, 384
   kx, kw, kd = jax.random.split(jax.random.key(0), 3)
   w = jax.random.normal(kw, (d_out, d_in), jnp.bfloat16)
-  mask, (v, m), (vt, mt) = kernels.transposable_mask24(w, with_compressed=True)
+  mask, (v, m), (vt, mt) = transposable_mask.transposable_mask24(w, with_compressed=True)
   w_t = jnp.where(mask, w, 0).astype(jnp.float32)
   x = jax.random.normal(kx, (t, d_in), jnp.bfloat16)
   dy = jax.random.normal(kd, (t, d_out), jnp.bfloat16)
@@ -188,7 +190,7 @@ def test_layer_gemms_match_the_xla_backend():
                              atol=2e-1)
   # The weight gradient: the kernel's MVUE draws, decompressed, times x (the same estimate).
   seed = 7
-  mv_values, mv_meta = kernels.mvue24_compress(dy.T, seed)
+  mv_values, mv_meta = mvue24.mvue24_compress(dy.T, seed)
   est = np_decompress(mv_values, mv_meta)                      # (out, T)
   np.testing.assert_allclose(f32(tc.weight_grad(dy, x, seed)), est @ f32(x), rtol=2e-2,
                              atol=2e-1)

@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from s24jax import kernels
+from s24jax.kernels import sparsify24
+from s24jax.kernels import transposable_mask
 from s24jax.kernels import _common as c
 from s24jax.kernels import transposable_mask as tm
 from s24jax.kernels._testing import MODES, assert_lowers_to_triton
@@ -14,7 +15,7 @@ from s24jax.kernels._testing import MODES, assert_lowers_to_triton
 CFG = tm.TransposableMaskConfig()
 REF = jax.jit(tm.transposable_mask_reference)
 REF_COMPRESSED = jax.jit(tm.transposable_compressed_reference)
-DECOMP = jax.jit(kernels.decompress24)
+DECOMP = jax.jit(sparsify24.decompress24)
 
 
 def _all_patterns_brute_force():
@@ -113,27 +114,27 @@ def test_compressed_outputs(interpret, shape):
 @pytest.mark.parametrize("interpret", MODES)
 def test_public_api_leading_axes(interpret):
   w = _data((2, 8, 16), "int", seed=2)
-  mask = kernels.transposable_mask24(w, interpret=interpret)
+  mask = transposable_mask.transposable_mask24(w, interpret=interpret)
   assert mask.shape == w.shape
   np.testing.assert_array_equal(np.asarray(mask), np.asarray(REF(w)))
 
 
 def test_bad_shapes_are_errors():
   with pytest.raises(ValueError, match="rows"):
-    kernels.transposable_mask24(jnp.ones((6, 8)), interpret=True)
+    transposable_mask.transposable_mask24(jnp.ones((6, 8)), interpret=True)
   with pytest.raises(ValueError, match="columns"):
-    kernels.transposable_mask24(jnp.ones((8, 6)), interpret=True)
+    transposable_mask.transposable_mask24(jnp.ones((8, 6)), interpret=True)
   with pytest.raises(ValueError, match="2-D"):
-    kernels.transposable_mask24(jnp.ones((2, 8, 8)), with_compressed=True,
+    transposable_mask.transposable_mask24(jnp.ones((2, 8, 8)), with_compressed=True,
                                 interpret=True)
   with pytest.raises(ValueError, match="at least 2"):
-    kernels.transposable_mask24(jnp.ones((8,)), interpret=True)
+    transposable_mask.transposable_mask24(jnp.ones((8,)), interpret=True)
 
 
 def test_lowers_to_triton():
   w = jnp.ones((768, 3072), jnp.bfloat16)
-  assert_lowers_to_triton(lambda w: kernels.transposable_mask24(w), w,
+  assert_lowers_to_triton(lambda w: transposable_mask.transposable_mask24(w), w,
                           expected_calls=1)
   assert_lowers_to_triton(
-      lambda w: kernels.transposable_mask24(w, with_compressed=True), w,
+      lambda w: transposable_mask.transposable_mask24(w, with_compressed=True), w,
       expected_calls=1)

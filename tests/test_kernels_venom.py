@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from s24jax import kernels
+from s24jax.kernels import venom
 from s24jax.kernels import _common as c
 from s24jax.kernels import venom as vn
 from s24jax.kernels._testing import MODES, assert_lowers_to_triton
@@ -93,11 +93,11 @@ def test_compress_and_matmul(interpret, r, cdim, v, m):
 @pytest.mark.parametrize("interpret", MODES)
 def test_public_api(interpret):
   x = _data((8, 36), seed=2)
-  values, meta, cols = kernels.venom_compress(x, 4, 4, interpret=interpret)
+  values, meta, cols = venom.venom_compress(x, 4, 4, interpret=interpret)
   for got, want in zip((values, meta, cols), REF(x, 4, 4)):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   w2 = jnp.ones((16, 36), jnp.float32)
-  y = kernels.venom_matmul(values, meta, cols, w2, v=4, m=4,
+  y = venom.venom_matmul(values, meta, cols, w2, v=4, m=4,
                            interpret=interpret)
   np.testing.assert_allclose(
       np.asarray(y), np.asarray(DECOMP(values, meta, cols, 4, 4)
@@ -108,28 +108,28 @@ def test_public_api(interpret):
 def test_bad_inputs_are_errors():
   x = jnp.ones((8, 32))
   with pytest.raises(ValueError, match="multiple of v"):
-    kernels.venom_compress(jnp.ones((6, 32)), 4, 8, interpret=True)
+    venom.venom_compress(jnp.ones((6, 32)), 4, 8, interpret=True)
   with pytest.raises(ValueError, match="multiple of m"):
-    kernels.venom_compress(jnp.ones((8, 36)), 4, 8, interpret=True)
+    venom.venom_compress(jnp.ones((8, 36)), 4, 8, interpret=True)
   with pytest.raises(ValueError, match="power of two"):
-    kernels.venom_compress(x, 3, 8, interpret=True)
+    venom.venom_compress(x, 3, 8, interpret=True)
   with pytest.raises(ValueError, match="4, 8, 16"):
-    kernels.venom_compress(x, 4, 32, interpret=True)
+    venom.venom_compress(x, 4, 32, interpret=True)
   values, meta, cols = _fake_compressed(8, 32, 4, 8)
   with pytest.raises(ValueError, match="w2"):
-    kernels.venom_matmul(values, meta, cols, jnp.ones((16, 16)), v=4, m=8)
+    venom.venom_matmul(values, meta, cols, jnp.ones((16, 16)), v=4, m=8)
   with pytest.raises(ValueError, match="share"):
-    kernels.venom_matmul(values, meta, cols, jnp.ones((16, 32), jnp.bfloat16),
+    venom.venom_matmul(values, meta, cols, jnp.ones((16, 32), jnp.bfloat16),
                          v=4, m=8)
 
 
 def test_lowers_to_triton():
   x = jnp.ones((256, 3072), jnp.bfloat16)
   w2 = jnp.ones((768, 3072), jnp.bfloat16)
-  assert_lowers_to_triton(lambda x: kernels.venom_compress(x, 16, 8), x,
+  assert_lowers_to_triton(lambda x: venom.venom_compress(x, 16, 8), x,
                           expected_calls=1)
   _, meta, cols = _fake_compressed(256, 3072, 16, 8)
   values = jnp.ones((256, 768), jnp.bfloat16)
   assert_lowers_to_triton(
-      lambda v, w: kernels.venom_matmul(v, meta, cols, w, v=16, m=8),
+      lambda v, w: venom.venom_matmul(v, meta, cols, w, v=16, m=8),
       values, w2, expected_calls=1)

@@ -40,7 +40,7 @@ def test_tcgen05_off_blackwell_names_the_backend_that_runs():
   c = _config("tcgen05")
   _, model_cfg, tx_fn = loop.build(c)   # building the config is fine anywhere
   model = GPT2(model_cfg)
-  state = train.init_state(model, tx_fn, 0)   # so is init (shapes only, no kernel)
+  state = train.fresh_state(model, tx_fn, 0)   # so is init (shapes only, no kernel)
   batch = {"inputs": jax.numpy.zeros((4, 16), jax.numpy.int32),
            "targets": jax.numpy.zeros((4, 16), jax.numpy.int32)}
   with pytest.raises(tcgen05.NotBlackwellError, match="sparsity.backend='xla'"):
@@ -93,7 +93,7 @@ def test_gpu_tiny_training_with_tcgen05_matches_xla():
     c = _config(backend, sparsity__mvue=False)
     _, model_cfg, tx_fn = loop.build(c)
     model = GPT2(model_cfg)
-    state = train.init_state(model, tx_fn, 0)
+    state = train.fresh_state(model, tx_fn, 0)
     tx = tx_fn(state.params, state.sparsity)
     rng = np.random.default_rng(0)
     out = []
