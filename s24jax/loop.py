@@ -9,6 +9,7 @@ eval, checkpoint, FLOP accounting, activation statistics and the method's own ch
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -28,6 +29,7 @@ from s24jax import flops as flops_lib
 from s24jax import hooks
 from s24jax import measure
 from s24jax import phases
+from s24jax import preemption
 from s24jax import metrics as metrics_lib
 from s24jax import model as model_lib
 from s24jax import optim
@@ -35,6 +37,7 @@ from s24jax import schedules
 from s24jax import sharding
 from s24jax import state as state_lib
 from s24jax import train
+from s24jax import workdir as workdir_lib
 from s24jax.methods import base as methods_base
 from s24jax.methods import registry
 
@@ -165,52 +168,114 @@ class Run:
     step = int(state.step)
     # The model the last step trained, so that resuming into a new phase enters it.
     current = phases.model_at(step - 1, model_cfg, facts) if step else model_cfg
-    return cls(config=config, facts=facts, workdir=workdir, partitioner=partitioner, data=load_tokens(config),
-               method=method, base_cfg=model_cfg, model_cfg=current,
-               tx=tx_fn(fresh.params, fresh.sparsity), state=state, ckpt=ckpt,
-               writer=metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0),
-               step=step)
+    run = cls(config=config, facts=facts, workdir=workdir, partitioner=partitioner,
+              data=load_tokens(config), method=method, base_cfg=model_cfg, model_cfg=current,
+              tx=tx_fn(fresh.params, fresh.sparsity), state=state, ckpt=ckpt,
+              writer=metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0,
+                                              resume_step=step),
+              step=step)
+    run.final.update(run.writer.history)            # a resumed run's history so far
+    run.pending.extend(_load_pending(workdir, step))   # the steps a preemption left unlogged
+    return run
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
-  """Trains per `config`, resuming from `workdir` if it holds a checkpoint. Returns finals."""
-  run = Run.create(config, workdir)
-  final_path = os.path.join(workdir, "final_metrics.json")
-  if run.step >= run.total and os.path.exists(final_path):
-    logging.info("%s already trained to step %d; nothing to do", workdir, run.step)
-    run.ckpt.close()
-    with open(final_path, encoding="utf-8") as f:
-      return json.load(f)
-  primary = jax.process_index() == 0
-  if primary:
-    _write_config(workdir, config, run.step)
-  chores = standard_hooks(run)
+  """Trains per `config`, resuming from `workdir` if it holds a checkpoint. Returns finals.
 
-  bar = tqdm(total=run.total, initial=run.step, dynamic_ncols=True, mininterval=1.0,
-             disable=not primary)
-  try:
-    while run.step < run.total and run.step != config.stop_at_step:
-      run.set_model(run.step)
-      run.batch = shard_batch(local_batch(run.data.train, config, run.step), run.partitioner)
-      hooks.run_hooks(run, chores, before_step=True)
-      run.state, metrics = train.train_step(run.state, run.batch, model=run.model, tx=run.tx,
-                                            accum_steps=config.grad_accum_steps,
-                                            partitioner=run.partitioner)
-      run.pending.append(metrics)
-      run.step += 1
-      hooks.run_hooks(run, chores, before_step=False)
-      bar.set_postfix(run.postfix, refresh=False)
-      bar.update(1)
-  finally:   # also after a non-finite stop: finish writing the good checkpoints
-    bar.close()
-    run.ckpt.close()
-    run.writer.close()
+  Holds the workdir's lock throughout (workdir.WorkdirLockedError if another run has it).
+  A SIGTERM or SIGINT stops it after the step in flight, with that step's checkpoint saved
+  (preemption.Preempted)."""
+  primary = jax.process_index() == 0
+  lock = workdir_lib.WorkdirLock(workdir) if primary else contextlib.nullcontext()
+  with lock, preemption.Guard() as guard:
+    workdir_lib.check_resumable(workdir)
+    run = Run.create(config, workdir)
+    final_path = os.path.join(workdir, "final_metrics.json")
+    if run.step >= run.total and os.path.exists(final_path):
+      logging.info("%s already trained to step %d; nothing to do", workdir, run.step)
+      _close(run)
+      with open(final_path, encoding="utf-8") as f:
+        return json.load(f)
+    if primary:
+      workdir_lib.write_config(workdir, config, run.step)
+    chores = standard_hooks(run)
+    bar = tqdm(total=run.total, initial=run.step, dynamic_ncols=True, mininterval=1.0,
+               disable=not primary)
+    try:
+      while run.step < run.total and run.step != config.stop_at_step:
+        run.set_model(run.step)
+        run.batch = shard_batch(local_batch(run.data.train, config, run.step), run.partitioner)
+        hooks.run_hooks(run, chores, before_step=True)
+        run.state, metrics = train.train_step(run.state, run.batch, model=run.model, tx=run.tx,
+                                              accum_steps=config.grad_accum_steps,
+                                              partitioner=run.partitioner)
+        run.pending.append(metrics)
+        run.step += 1
+        hooks.run_hooks(run, chores, before_step=False)
+        bar.set_postfix(run.postfix, refresh=False)
+        bar.update(1)
+        if run.step < run.total and guard.should_stop(run.step):
+          save_and_stop(run, guard)
+    finally:   # also after an error: finish writing the good checkpoints and the logs
+      bar.close()
+      _close(run)
   if run.step == config.stop_at_step:
     logging.warning("stop_at_step=%d reached: leaving without a final checkpoint", run.step)
   elif primary:
     with open(final_path, "w", encoding="utf-8") as f:
       json.dump({k: float(v) for k, v in run.final.items() if v is not None}, f, indent=2)
   return run.final
+
+
+def _close(run: "Run") -> None:
+  try:
+    run.ckpt.close()
+  finally:
+    run.writer.close()
+
+
+def save_and_stop(run: "Run", guard: preemption.Guard) -> None:
+  """A signal asked to stop after `run.step`: the checkpoint of that step (waited for), the
+  metrics of the steps since the last log (so the resumed run logs what an uninterrupted
+  one would), then `Preempted`."""
+  pending = jax.device_get(run.pending)
+  check_finite(run, pending)
+  run.ckpt.wait()
+  if run.ckpt.latest_step() != run.step:
+    run.ckpt.save(run.step, run.state, force=True)
+    run.ckpt.wait()
+  if jax.process_index() == 0:
+    _save_pending(run.workdir, run.step, pending)
+  run.writer.flush()
+  logging.warning("stopped at step %d: checkpoint saved in %s", run.step, run.ckpt.directory)
+  raise preemption.Preempted(run.step, guard.signum)
+
+
+PENDING_FILE = "pending_metrics.json"
+
+
+def _save_pending(workdir: str, step: int, pending: list[dict]) -> None:
+  path = os.path.join(workdir, PENDING_FILE)
+  # With their dtypes: the log sums them as the uninterrupted run would (float32, not 64).
+  records = [{k: [np.asarray(v).tolist(), str(np.asarray(v).dtype)] for k, v in m.items()}
+             for m in pending]
+  with open(path + ".tmp", "w", encoding="utf-8") as f:
+    json.dump({"step": step, "metrics": records}, f)
+  os.replace(path + ".tmp", path)
+
+
+def _load_pending(workdir: str, step: int) -> list[dict]:
+  """The unlogged metrics a preempted run left for `step` (consumed: the file goes)."""
+  path = os.path.join(workdir, PENDING_FILE)
+  if not os.path.exists(path):
+    return []
+  with open(path, encoding="utf-8") as f:
+    data = json.load(f)
+  if jax.process_index() == 0:
+    os.remove(path)
+  if data.get("step") != step:
+    return []
+  return [{k: np.asarray(v, dtype) for k, (v, dtype) in m.items()} for m in data["metrics"]]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -329,12 +394,3 @@ def summarise(pending: list[dict], seconds: float, flops_per_token: float,
   out["perf/mfu"] = metrics_lib.mfu(out["perf/tokens_per_sec"], flops_per_token, peak,
                                     jax.device_count())
   return out
-
-
-def _write_config(workdir: str, config: ml_collections.ConfigDict, step: int) -> None:
-  """Saves the resolved config; never overwrites the one the run started with."""
-  path = os.path.join(workdir, "config.json")
-  if os.path.exists(path):
-    path = os.path.join(workdir, f"config.resumed_at_{step}.json")
-  with open(path, "w", encoding="utf-8") as f:
-    f.write(config.to_json_best_effort(indent=2, sort_keys=True))

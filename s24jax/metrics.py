@@ -37,30 +37,65 @@ def mfu(tokens_per_sec: float, flops_per_token: float, peak_per_device: float | 
 
 
 class MetricWriter:
-  """Writes scalars to JSONL and TensorBoard (appending on resume, never truncating)."""
+  """Writes scalars to JSONL and TensorBoard.
 
-  def __init__(self, workdir: str, *, tensorboard: bool = True, enabled: bool = True):
+  A run resumed from the checkpoint of step `resume_step` continues one history: the records
+  past that step from the earlier attempt (written after its last checkpoint) move to
+  `metrics.superseded.jsonl`, TensorBoard purges its events past the step (`purge_step`), and
+  a scalar the earlier attempt already wrote at the resume step itself is not written twice.
+  So metrics.jsonl, the plot and final_metrics.json hold each step's values once.
+  """
+
+  def __init__(self, workdir: str, *, tensorboard: bool = True, enabled: bool = True,
+               resume_step: int = 0):
     """enabled=False (every process but the first of a multi-host run) writes nothing."""
     self.workdir = workdir
     os.makedirs(workdir, exist_ok=True)
     self.jsonl_path = os.path.join(workdir, "metrics.jsonl")
     self.enabled = enabled
+    self.history: dict[str, float] = {}   # the latest value of every scalar kept
+    self._resume_step = resume_step
+    self._written_at_resume: set[str] = set()
+    if enabled and resume_step and os.path.exists(self.jsonl_path):
+      self._truncate_after(resume_step)
     self._jsonl = open(self.jsonl_path, "a", encoding="utf-8") if enabled else None
     self._tb = None
     if tensorboard and enabled:
-      self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+      self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"),
+                               purge_step=resume_step + 1 if resume_step else None)
+
+  def _truncate_after(self, step: int) -> None:
+    records = read_jsonl(self.jsonl_path)
+    kept = [r for r in records if r["step"] <= step]
+    superseded = [r for r in records if r["step"] > step]
+    for r in kept:
+      self.history.update({k: v for k, v in r.items() if k != "step"})
+      if r["step"] == step:
+        self._written_at_resume.update(k for k in r if k != "step")
+    if superseded:
+      with open(os.path.join(self.workdir, "metrics.superseded.jsonl"), "a",
+                encoding="utf-8") as f:
+        for r in superseded:
+          f.write(json.dumps(r) + "\n")
+    tmp = self.jsonl_path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+      for r in kept:
+        f.write(json.dumps(r) + "\n")
+    os.replace(tmp, self.jsonl_path)
 
   def write(self, step: int, scalars: dict[str, Any]) -> None:
     if not self.enabled:
       return
     record = {"step": int(step)}
     for k, v in scalars.items():
-      if v is None:
+      if v is None or (step == self._resume_step and k in self._written_at_resume):
         continue
       v = float(v)
       record[k] = v
       if self._tb is not None and math.isfinite(v):
         self._tb.add_scalar(k, v, int(step))
+    if len(record) == 1:
+      return
     self._jsonl.write(json.dumps(record) + "\n")
     self._jsonl.flush()
 

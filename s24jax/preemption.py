@@ -1,0 +1,76 @@
+"""Stopping cleanly when the cluster asks: SIGTERM (a preemption notice) or SIGINT (Ctrl-C).
+
+One process: the first signal sets a flag; the loop finishes the step in flight, writes a
+checkpoint of that step (waiting for it), flushes the logs and leaves with `Preempted`, which
+`launch.py` turns into exit code `EXIT_CODE` (75, EX_TEMPFAIL: "try again") so that a job
+script can requeue the run; re-running the same command resumes from that checkpoint. A
+second signal while it saves is acknowledged and ignored: Orbax writes into a temporary
+directory and renames it when complete, so even a SIGKILL then leaves the previous checkpoint
+intact.
+
+Several processes (jax.distributed): they must stop at the same step, or the hosts would save
+different steps. JAX's preemption service (on by default under jax.distributed) catches
+SIGTERM on any host, and the hosts agree on the first step all of them can reach
+(`multihost_utils.reached_preemption_sync_point`, asked at every step: a local check, no
+collective). SIGINT keeps its default meaning there (KeyboardInterrupt on that host).
+"""
+from __future__ import annotations
+
+import signal
+import threading
+
+import jax
+from absl import logging
+from jax.experimental import multihost_utils
+
+EXIT_CODE = 75
+
+
+class Preempted(Exception):
+  """The run stopped on a signal after saving the checkpoint of `step`."""
+
+  def __init__(self, step: int, signum: int | None):
+    name = signal.Signals(signum).name if signum else "a preemption notice"
+    super().__init__(f"stopped by {name} at step {step}; its checkpoint is saved. Run the same "
+                     "command again to resume.")
+    self.step = step
+
+
+class Guard:
+  """`with Guard() as guard:` ... `if guard.should_stop(step): ...` (module docstring)."""
+
+  def __init__(self):
+    self.signum: int | None = None
+    self._old = {}
+    self._distributed = jax.process_count() > 1
+
+  def __enter__(self) -> "Guard":
+    if threading.current_thread() is not threading.main_thread():
+      return self   # signal handlers can only be set from the main thread
+    # Under jax.distributed, SIGTERM belongs to JAX's preemption service; SIGINT stays default.
+    signals = () if self._distributed else (signal.SIGTERM, signal.SIGINT)
+    for s in signals:
+      self._old[s] = signal.signal(s, self._handle)
+    return self
+
+  def __exit__(self, *exc) -> None:
+    for s, old in self._old.items():
+      signal.signal(s, old)
+    self._old.clear()
+
+  def _handle(self, signum, frame) -> None:
+    del frame
+    if self.signum is None:
+      self.signum = signum
+      logging.warning("%s received: finishing the current step, then saving a checkpoint "
+                      "and stopping (exit code %d).", signal.Signals(signum).name, EXIT_CODE)
+    else:
+      logging.warning("%s received again: still saving the checkpoint; it is written "
+                      "atomically, so stopping now would lose nothing but this step.",
+                      signal.Signals(signum).name)
+
+  def should_stop(self, step: int) -> bool:
+    """Whether to stop after `step` steps (every process gives the same answer)."""
+    if self._distributed:
+      return multihost_utils.reached_preemption_sync_point(step)
+    return self.signum is not None
