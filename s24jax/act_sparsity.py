@@ -52,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from s24jax import hooks as hooks_lib
+from s24jax import hooks
 from s24jax.kernels._common import interpret_default
 from s24jax.kernels import masks
 from s24jax.kernels import venom
@@ -315,7 +315,7 @@ def stats_from_intermediates(intermediates: Any) -> dict[str, jax.Array]:
   return out
 
 
-def stats_hooks(config) -> list[hooks_lib.Hook]:
+def stats_hooks(config) -> list[hooks.Hook]:
   """The loop's measurement hook: before the train step of every log step, one extra forward
   on the first `config.act_sparsity.stats_sequences` sequences of the step's batch (the
   activations this step trains on), logged at that step; its time is not training time."""
@@ -329,6 +329,6 @@ def stats_hooks(config) -> list[hooks_lib.Hook]:
     run.write(run.step + 1, {k: float(v) for k, v in jax.device_get(stats).items()})
 
   def due(step):
-    return hooks_lib.itstime(step + 1, config.log_every, config.total_steps)
+    return hooks.itstime(step + 1, config.log_every, config.total_steps)
 
-  return [hooks_lib.Hook(measure, before_step=True, due=due, name="activation statistics")]
+  return [hooks.Hook(measure, before_step=True, due=due, name="activation statistics")]

@@ -345,7 +345,7 @@ def standard_hooks(run: Run) -> list[hooks.Hook]:
   Hook = hooks.Hook   # pylint: disable=invalid-name
   return [
       Hook(count_flops, every=1, before_step=True, training=True, name="FLOPs"),
-      *measure.hooks(config),
+      *measure.chores(config),
       Hook(log, every=config.log_every, training=True, name="log"),
       *run.method.chores(run.facts),
       Hook(evaluate_, every=config.eval_every, name="eval"),

@@ -18,18 +18,18 @@ import time
 import jax
 
 from s24jax import act_sparsity
-from s24jax import hooks as hooks_lib
+from s24jax import hooks
 from s24jax import model as model_lib
 from s24jax import train
 
 MVUE_REPEATS = 5
 
 
-def hooks(config) -> list[hooks_lib.Hook]:
+def chores(config) -> list[hooks.Hook]:
   return [*act_sparsity.stats_hooks(config), *mvue_cost_hooks(config)]
 
 
-def mvue_cost_hooks(config) -> list[hooks_lib.Hook]:
+def mvue_cost_hooks(config) -> list[hooks.Hook]:
   if not config.sparsity.mvue:
     return []
 
@@ -55,5 +55,5 @@ def mvue_cost_hooks(config) -> list[hooks_lib.Hook]:
     run.write(run.step, {"perf/mvue_seconds": extra,
                          "perf/mvue_time_share": extra / seconds[True]})
 
-  return [hooks_lib.Hook(measure, due=lambda step: step == int(config.log_every),
+  return [hooks.Hook(measure, due=lambda step: step == int(config.log_every),
                          name="MVUE cost")]

@@ -158,14 +158,15 @@ def last_config(workdir: str) -> dict[str, Any] | None:
 
 
 def check_resumable(workdir: str) -> None:
-  """A workdir written before 0.3 (its config says sparsity.projection) holds a train state
-  this version cannot resume: say so, naming the new key, before anything is read."""
+  """A workdir written before 0.3 (the old key `projection` in its sparsity block) holds a
+  train state this version cannot resume: say so, naming the new key, before anything is
+  read."""
   old = last_config(workdir)
   if old and "projection" in old.get("sparsity", {}):
     raise ValueError(
-        f"{workdir} was written by s24jax < 0.3: its config.json uses sparsity.projection, "
-        "which is now sparsity.method, and its checkpoints hold the old train state (no "
-        "method_state). Start a new --workdir, with --config.sparsity.method="
+        f"{workdir} was written by s24jax < 0.3: its config.json names the method under the "
+        "old key 'projection', now sparsity.method, and its checkpoints hold the old train "
+        "state (no method_state). Start a new --workdir, with --config.sparsity.method="
         f"{old['sparsity']['projection']!r}.")
 
 

@@ -78,7 +78,7 @@ def check_renamed_keys(config) -> None:
   if "projection" in config.sparsity:
     raise ValueError("config.sparsity.projection was renamed to config.sparsity.method (it "
                      "selects the training method); set --config.sparsity.method="
-                     f"{config.sparsity.projection!r} instead")
+                     f"{config.sparsity['projection']!r} instead")
 
 
 def from_config(config) -> base.Method:
