@@ -236,3 +236,10 @@ def test_sr_ste_forward_masks_cover_the_tied_head():
   np.testing.assert_array_equal(tree["h_0"]["mlp"]["fc"]["kernel"],
                                 sparsity["h_0"]["mlp"]["fc"]["mask"])
   assert tree["h_0"]["mlp"]["fc"]["bias"] is None
+
+
+def test_the_old_method_key_is_an_error_naming_the_new_one():
+  cfg = tiny_config("ste")
+  cfg.sparsity.projection = "s_ste"   # an experiment file written before the rename
+  with pytest.raises(ValueError, match=r"renamed to config.sparsity.method.*'s_ste'"):
+    registry.from_config(cfg)
