@@ -192,6 +192,18 @@ def memory_report(compiled) -> dict[str, int]:
   return out
 
 
+def hlo_census(compiled, *, custom_call_prefix: str = "cusparselt") -> dict[str, int]:
+  """Counts in the optimized HLO of a compiled step: the custom calls whose target starts
+  with `custom_call_prefix` (inside loop bodies counted once, as written), and the
+  collectives (all-gather, all-reduce, reduce-scatter, all-to-all, collective-permute)."""
+  text = compiled.as_text()
+  out = {"custom_calls": len(re.findall(
+      rf'custom_call_target="{re.escape(custom_call_prefix)}', text))}
+  for op in ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute"):
+    out[op] = len(re.findall(rf"= \S+ {op}(?:-start)?\(", text))
+  return out
+
+
 def flops(lowered) -> float:
   """FLOPs of the unoptimized HLO (XLA's cost analysis through the CPU client; platform
   independent, counts every dot including those that become cuBLAS calls)."""

@@ -52,6 +52,7 @@ class Compiled:
   memory: dict[str, int]
   seconds: float
   flops: float | None = None
+  hlo: dict[str, int] = dataclasses.field(default_factory=dict)   # aot.hlo_census
 
 
 def _target_with_memory(gpu: str, factor: int) -> str:
@@ -140,7 +141,8 @@ class Planner:
           accum_steps=accum, partitioner=partitioner).lower(lowering_platforms=("cuda",))
       compiled = lowered.compile()
     result = Compiled(micro, accum, aot.memory_report(compiled), time.time() - start,
-                      self.model_flops(micro, partitioner) * accum if with_flops else None)
+                      self.model_flops(micro, partitioner) * accum if with_flops else None,
+                      aot.hlo_census(compiled))
     self._cache[key] = result
     return result
 
@@ -150,7 +152,10 @@ class Planner:
     blocks, the accumulation scan and the chunked loss would be undercounted; remat's
     recomputation is left out (model FLOPs, not executed FLOPs). Lowered only, not compiled."""
     jax = self.jax
-    cfg = dataclasses.replace(self.model_cfg, scan_layers=False, remat="none", loss_chunk=0)
+    # Backend 'xla': an opaque custom call (cusparselt) has no cost model; the math is the same.
+    cfg = dataclasses.replace(self.model_cfg, scan_layers=False, remat="none", loss_chunk=0,
+                              sparsity=dataclasses.replace(self.model_cfg.sparsity,
+                                                           backend="xla"))
     model = self.model_lib.GPT2(cfg)
     abstract_state = jax.eval_shape(lambda: self.train.fresh_state(model, self.tx_fn, 0))
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
@@ -217,6 +222,10 @@ def plan(config, gpu: str, num_devices: int, *, micro: int | None = None,
       "fits": need <= budget,
       "flops_per_step": real.flops,
       "compile_seconds": real.seconds,
+      # cuSPARSELt custom calls (sparsity.backend='cusparselt') and collectives in the
+      # optimized HLO of the step (a loop body counted once).
+      "cusparselt_custom_calls": real.hlo.get("custom_calls", 0),
+      "collectives": {k: v for k, v in real.hlo.items() if k != "custom_calls"},
       "remat": planner.config.model.remat, "loss_chunk": planner.config.model.loss_chunk,
       "attention_impl": planner.config.model.attention_impl,
   }

@@ -31,6 +31,13 @@ Backends (`sparsity.backend`, chosen per call in `uses_pallas_kernels`, the one 
                    dX^T = W~^T dY^T (transposable masks; dense otherwise) and, with MVUE, the
                    weight gradient MVUE(dY^T) x on 2:4 sparse tensor cores (kernels/tcgen05.py).
                    Compiled for a B200, never run (no Blackwell GPU here).
+  'cusparselt'     A100, H100 and newer: cuSPARSELt through the XLA FFI
+                   (kernels/cusparselt/): forward, data gradient (transposable masks; dense
+                   otherwise) and, with MVUE, the weight gradient on the 2:4 sparse tensor
+                   cores; FP8 (e4m3 / e5m2, per-tensor scales as in 'xla') with sparsity.fp8.
+                   Under a mesh each device runs its own shard (shard_map). Compiled for
+                   A100 and H100 without a GPU; its CPU tests use the jnp stand-in of
+                   kernels/cusparselt/ops.py.
 The Pallas path (`_pallas_linear_2d`) compresses W~ once per call (`sparsify24.compress24`),
 runs the forward (`compressed_matmul.sparse24_matmul`) and dX = dY W~ (`sparse24_matmul_dx`) on the
 compressed operand, and keeps the weight gradient the dense dY^T x (or its MVUE version)
@@ -62,9 +69,10 @@ from s24jax.kernels import mvue24
 from s24jax.kernels import sparsify24
 from s24jax.kernels import masks
 from s24jax.kernels import tcgen05
+from s24jax.kernels.cusparselt import ops as cusparselt
 
 # See "Backends" above; sparsity.backend must be one of these.
-BACKENDS = ("xla", "pallas", "pallas_always", "tcgen05")
+BACKENDS = ("xla", "pallas", "pallas_always", "tcgen05", "cusparselt")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,9 +89,9 @@ class GemmOptions:
     if self.backend not in BACKENDS:
       raise ValueError(f"unknown sparsity.backend {self.backend!r}; valid: "
                        f"{', '.join(BACKENDS)}")
-    if self.fp8 and self.backend != "xla":
-      raise ValueError(f"sparsity.fp8 needs sparsity.backend='xla' (the Pallas kernels have "
-                       f"no FP8 path); got backend {self.backend!r}.")
+    if self.fp8 and self.backend not in ("xla", "cusparselt"):
+      raise ValueError(f"sparsity.fp8 needs sparsity.backend='xla' or 'cusparselt' (the "
+                       f"Pallas kernels have no FP8 path); got backend {self.backend!r}.")
 
 
 def _matmul_f32(a: jax.Array, b: jax.Array, dims) -> jax.Array:
@@ -264,6 +272,108 @@ def _tcgen05_linear_2d_bwd(opts, res, dy):
 _tcgen05_linear_2d.defvjp(_tcgen05_linear_2d_fwd, _tcgen05_linear_2d_bwd)
 
 
+# ---------------------------------------------------------------------------------------------
+# The 'cusparselt' backend: cuSPARSELt's 2:4 GEMMs through the XLA FFI (A100, H100 and newer).
+# The GEMM convention is kernels/cusparselt/ops.py's: x (T, K), W~ (N, K), dY (T, N), all
+# row-major, passed as they are.
+
+
+def _cslt_operands(a: jax.Array, b: jax.Array, opts: GemmOptions, a_format, b_format):
+  """The two operands in the GEMM's dtype (FP8: quantized, with their per-tensor scales)."""
+  if not opts.fp8:
+    return a, b, None
+  qa, sa = fp8_lib.quantize(a, a_format)
+  qb, sb = fp8_lib.quantize(b, b_format)
+  return qa, qb, (1.0 / sa) * (1.0 / sb)   # as fp8.scaled_dot_general: no sa * sb overflow
+
+
+def _cslt_gemm(a: jax.Array, b: jax.Array, gemm: cusparselt.Gemm, opts: GemmOptions,
+               a_format=fp8_lib.E4M3, b_format=fp8_lib.E4M3) -> jax.Array:
+  """D array (gemm.d_shape()) float32 of the sparse A array times the B array."""
+  qa, qb, dq = _cslt_operands(a, b, opts, a_format, b_format)
+  out = jnp.float32 if opts.fp8 else b.dtype
+  d = cusparselt.spmm(cusparselt.compress(qa, gemm, b_dtype=qb.dtype, d_dtype=out), qb, gemm,
+                      a_dtype=qa.dtype, out_dtype=out).astype(jnp.float32)
+  return d if dq is None else d * dq
+
+
+def _cslt_fwd_gemm(t: int, n: int, k: int) -> cusparselt.Gemm:
+  """y^T (N, T) = W~ (N x K, 2:4 along K) x^T: the A array is W~ itself, B is x."""
+  return cusparselt.Gemm(m=n, n=t, k=k, trans_a=True, trans_b=False)
+
+
+def _cslt_dgrad_gemm(t: int, n: int, k: int) -> cusparselt.Gemm:
+  """dX^T (K, T) = W~^T (K x N, 2:4 along N: transposable) dY^T: A is W~, B is dY."""
+  return cusparselt.Gemm(m=k, n=t, k=n, trans_a=False, trans_b=False)
+
+
+def _cslt_wgrad_gemm(t: int, n: int, k: int) -> cusparselt.Gemm:
+  """dW (N, K) = MVUE(dY^T) (N x T, 2:4 along T) x: A is MVUE(dY^T), B is x; D is dW^T."""
+  return cusparselt.Gemm(m=n, n=k, k=t, trans_a=True, trans_b=True)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _cusparselt_linear_2d(opts: GemmOptions, x: jax.Array, w: jax.Array,
+                          key: jax.Array | None) -> jax.Array:
+  t, k = x.shape
+  y = _cslt_gemm(w.astype(x.dtype), x, _cslt_fwd_gemm(t, w.shape[0], k), opts)   # (T, N)
+  return y.astype(x.dtype)
+
+
+def _cusparselt_linear_2d_fwd(opts, x, w, key):
+  return _cusparselt_linear_2d(opts, x, w, key), (x, w, key)
+
+
+def _cusparselt_linear_2d_bwd(opts, res, dy):
+  x, w, key = res
+  (t, k), n = x.shape, w.shape[0]
+  dy = dy.astype(x.dtype)
+  if opts.transposable:
+    dx = _cslt_gemm(w.astype(x.dtype), dy, _cslt_dgrad_gemm(t, n, k), opts,
+                    fp8_lib.E4M3, fp8_lib.E5M2)                       # (T, K)
+  else:
+    dx = _dgrad_gemm(dy, w.astype(dy.dtype), opts)                    # (T, K), dense
+  if opts.mvue:   # the point of MVUE: dW = MVUE(dY^T) x, 2:4 along the tokens
+    est = _wgrad_operand(dy, key, opts)                               # (N, T)
+    dw = _cslt_gemm(est, x, _cslt_wgrad_gemm(t, n, k), opts,
+                    fp8_lib.E5M2, fp8_lib.E4M3).T                     # (N, K)
+  else:
+    dw = _wgrad_gemm(dy, x, key, opts)                                # (N, K), dense
+  dkey = None if key is None else np.zeros(key.shape, jax.dtypes.float0)
+  return dx.astype(x.dtype), dw.astype(w.dtype), dkey
+
+
+_cusparselt_linear_2d.defvjp(_cusparselt_linear_2d_fwd, _cusparselt_linear_2d_bwd)
+
+
+def _per_device(op, opts: GemmOptions):
+  """`op` on each device's own rows of x under the context mesh (jax.sharding.get_abstract_mesh,
+  set by the train step): an opaque custom call cannot be partitioned by XLA, which would
+  otherwise gather the batch-sharded activations and run the whole global GEMM everywhere.
+  W~ is replicated into it (the FSDP all-gather, as for any GEMM); its gradient is summed
+  over the devices by shard_map's transpose (the data-parallel all-reduce). MVUE draws from
+  fold_in(key, device index), so the shards' estimates are independent."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return op
+  axes = tuple(mesh.axis_names)
+  P = jax.sharding.PartitionSpec
+
+  def local(x, w, key):
+    if key is not None and opts.mvue:
+      index = jax.lax.axis_index(axes)
+      key = jax.random.fold_in(key, index)
+    return op(opts, x, w, key)
+
+  def sharded(opts_, x, w, key):
+    del opts_
+    key_spec = None if key is None else P()
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(axes, None), P(), key_spec),
+                         out_specs=P(axes, None), check_vma=False)(x, w, key)
+
+  return sharded
+
+
 def sparse_linear(x: jax.Array, w: jax.Array, key: jax.Array | None = None, *,
                   mvue: bool = False, backend: str = "xla", fp8: bool = False,
                   transposable: bool = False) -> jax.Array:
@@ -277,7 +387,8 @@ def sparse_linear(x: jax.Array, w: jax.Array, key: jax.Array | None = None, *,
     mvue: estimate the weight gradient from MVUE(dY^T), 2:4 along tokens (unbiased).
     backend: GEMM implementation, one of BACKENDS ('xla', 'pallas': Pallas kernels where
       they are expected to win, 'pallas_always', 'tcgen05': Blackwell's sparse tensor cores
-      for all three GEMMs); see the module docstring.
+      for all three GEMMs, 'cusparselt': cuSPARSELt on A100 / H100); see the module
+      docstring.
     transposable: W~'s mask is transposable (2:4 along `out` too), so 'tcgen05' runs the
       data-gradient GEMM sparse as well.
     fp8: all three GEMMs in FP8 with per-tensor amax scaling (s24jax/fp8.py): x and W~ in
@@ -300,5 +411,7 @@ def sparse_linear(x: jax.Array, w: jax.Array, key: jax.Array | None = None, *,
     op = _pallas_linear_2d
   if backend == "tcgen05":
     op = _tcgen05_linear_2d
+  if backend == "cusparselt":
+    op = _per_device(_cusparselt_linear_2d, opts)
   y = op(opts, x.reshape(-1, x.shape[-1]), w, key)                   # (N, out)
   return y.reshape(*lead, w.shape[0])                                # (..., out)

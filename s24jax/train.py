@@ -8,6 +8,7 @@ is killed and resumed reproduces an uninterrupted one step for step.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Callable
 
@@ -81,8 +82,13 @@ def train_step(state: TrainState, batch: Batch, *, model: GPT2,
   (loss as a sum plus a count; `finite`: loss and gradient norm are finite)."""
   method = model.config.sparsity.method
   key = jax.random.fold_in(jax.random.fold_in(state.rng, state.step), _SPARSITY_STREAM)
-  loss_sum, grads = loss_and_grads(state.params, state.sparsity, batch, key, model=model,
-                                   accum_steps=accum_steps)
+  # The mesh as context while tracing: ops that must place work per device themselves (an
+  # opaque custom call, e.g. sparse_ops' cusparselt backend) read it.
+  mesh = (jax.sharding.use_abstract_mesh(partitioner.mesh.abstract_mesh)
+          if partitioner is not None else contextlib.nullcontext())
+  with mesh:
+    loss_sum, grads = loss_and_grads(state.params, state.sparsity, batch, key, model=model,
+                                     accum_steps=accum_steps)
   updates, opt_state = tx.update(grads, state.opt_state, state.params, method=method,
                                  sparsity=state.sparsity, method_state=state.method_state)
   after = state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),

@@ -1,0 +1,306 @@
+// cuSPARSELt 2:4 sparse GEMMs as XLA FFI custom calls (s24jax.kernels.cusparselt).
+//
+// Two handlers, one GEMM convention. Every matrix is described column-major, so that JAX's
+// row-major arrays need no copy: a row-major (R, C) array is the column-major (C, R) matrix.
+//
+//   cusparselt_compress(A dense) -> A compressed          (under the plan of the GEMM below)
+//   cusparselt_spmm(A compressed, B) -> D                  D = op(A) op(B), D (m, n)
+//
+// op(A) is m x k and 2:4 along k (its contraction dimension), op(B) is k x n; `trans_a` /
+// `trans_b` say whether the stored column-major matrix is op(X)^T; `d_row_major` stores D
+// row-major instead (an attribute: whether cuSPARSELt accepts it for every dtype is only
+// known on a GPU). Both handlers find the same plan, cached per (device, m, n, k, dtypes,
+// transposes, D's order); its algorithm is chosen once, by cusparseLtMatmulSearch on scratch
+// buffers, when the plan is made (the compressed layout depends on it: compress and multiply
+// under one plan). Workspace and compression buffers come from XLA's scratch allocator; all
+// work runs on XLA's stream. Every cuSPARSELt or CUDA failure comes back as an FFI error
+// naming the call and the status; nothing aborts the process.
+//
+// The compressed output has the byte size of the dense A, an upper bound of cuSPARSELt's
+// compressed size (values are half of A, metadata a fraction of that) known without a GPU at
+// trace time; the handler checks the real size against it.
+//
+// Build: s24jax/kernels/cusparselt/library.py (g++, no nvcc: cuSPARSELt is a host API).
+
+#include <cuda_runtime_api.h>
+#include <cusparseLt.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <tuple>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+std::string Status(const char* call, cusparseStatus_t status) {
+  std::ostringstream out;
+  out << "cuSPARSELt: " << call << " failed with status " << static_cast<int>(status) << " ("
+      << cusparseLtGetErrorName(status) << ": " << cusparseLtGetErrorString(status) << ")";
+  return out.str();
+}
+
+#define S24_CUSPARSELT(call)                                        \
+  do {                                                              \
+    cusparseStatus_t s24_status = (call);                           \
+    if (s24_status != CUSPARSE_STATUS_SUCCESS)                      \
+      return ffi::Error::Internal(Status(#call, s24_status));       \
+  } while (0)
+
+#define S24_CUDA(call)                                                               \
+  do {                                                                               \
+    cudaError_t s24_err = (call);                                                    \
+    if (s24_err != cudaSuccess)                                                      \
+      return ffi::Error::Internal(std::string("CUDA: ") + #call + " failed: " +      \
+                                  cudaGetErrorName(s24_err) + ": " +                 \
+                                  cudaGetErrorString(s24_err));                      \
+  } while (0)
+
+ffi::ErrorOr<cudaDataType> CudaType(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::BF16: return CUDA_R_16BF;
+    case ffi::DataType::F16: return CUDA_R_16F;
+    case ffi::DataType::F32: return CUDA_R_32F;
+    case ffi::DataType::F8E4M3FN: return CUDA_R_8F_E4M3;
+    case ffi::DataType::F8E5M2: return CUDA_R_8F_E5M2;
+    default:
+      return ffi::Unexpected(ffi::Error::InvalidArgument(
+          "cuSPARSELt: unsupported element type " + std::to_string(static_cast<int>(t)) +
+          " (bf16, f16: sm_80+; e4m3, e5m2: sm_90+)"));
+  }
+}
+
+struct Key {
+  int device;
+  int64_t m, n, k;
+  int a_type, b_type, d_type;
+  bool trans_a, trans_b, d_row_major;
+  bool operator<(const Key& o) const {
+    return std::tie(device, m, n, k, a_type, b_type, d_type, trans_a, trans_b, d_row_major) <
+           std::tie(o.device, o.m, o.n, o.k, o.a_type, o.b_type, o.d_type, o.trans_a,
+                    o.trans_b, o.d_row_major);
+  }
+};
+
+struct Plan {
+  cusparseLtMatDescriptor_t a, b, d;
+  cusparseLtMatmulDescriptor_t matmul;
+  cusparseLtMatmulAlgSelection_t alg;
+  cusparseLtMatmulPlan_t plan;
+  size_t workspace = 0, compressed = 0, compress_buffer = 0;
+};
+
+std::mutex mu;
+std::map<int, std::unique_ptr<cusparseLtHandle_t>> handles;   // one per device
+std::map<Key, std::unique_ptr<Plan>> plans;
+
+ffi::ErrorOr<cusparseLtHandle_t*> Handle(int device) {
+  auto it = handles.find(device);
+  if (it != handles.end()) return it->second.get();
+  auto handle = std::make_unique<cusparseLtHandle_t>();
+  cusparseStatus_t s = cusparseLtInit(handle.get());
+  if (s != CUSPARSE_STATUS_SUCCESS)
+    return ffi::Unexpected(ffi::Error::Internal(Status("cusparseLtInit", s)));
+  return (handles[device] = std::move(handle)).get();
+}
+
+void* Scratch(ffi::ScratchAllocator& scratch, size_t bytes) {
+  if (bytes == 0) return nullptr;
+  auto p = scratch.Allocate(bytes, 256);
+  return p.has_value() ? *p : nullptr;
+}
+
+// The plan of `key`, made (and its algorithm searched) on first use. Holds `mu`.
+ffi::ErrorOr<Plan*> GetPlan(const Key& key, cudaStream_t stream,
+                            ffi::ScratchAllocator& scratch) {
+  auto it = plans.find(key);
+  if (it != plans.end()) return it->second.get();
+  auto h = Handle(key.device);
+  if (h.has_error()) return ffi::Unexpected(h.error());
+  cusparseLtHandle_t* handle = *h;
+  auto p = std::make_unique<Plan>();
+  // Column-major descriptions: stored A is op(A) (m x k) or its transpose (k x m).
+  int64_t a_rows = key.trans_a ? key.k : key.m, a_cols = key.trans_a ? key.m : key.k;
+  int64_t b_rows = key.trans_b ? key.n : key.k, b_cols = key.trans_b ? key.k : key.n;
+  cusparseOrder_t col = CUSPARSE_ORDER_COL;
+  cusparseOrder_t d_order = key.d_row_major ? CUSPARSE_ORDER_ROW : CUSPARSE_ORDER_COL;
+  int64_t d_ld = key.d_row_major ? key.n : key.m;
+  auto err = [&](const char* call, cusparseStatus_t s) -> ffi::Error {
+    return ffi::Error::Internal(Status(call, s));
+  };
+  cusparseStatus_t s;
+  if ((s = cusparseLtStructuredDescriptorInit(
+           handle, &p->a, a_rows, a_cols, a_rows, 16, (cudaDataType)key.a_type, col,
+           CUSPARSELT_SPARSITY_50_PERCENT)) != CUSPARSE_STATUS_SUCCESS)
+    return ffi::Unexpected(err("cusparseLtStructuredDescriptorInit", s));
+  if ((s = cusparseLtDenseDescriptorInit(handle, &p->b, b_rows, b_cols, b_rows, 16,
+                                         (cudaDataType)key.b_type, col)) !=
+      CUSPARSE_STATUS_SUCCESS)
+    return ffi::Unexpected(err("cusparseLtDenseDescriptorInit(B)", s));
+  if ((s = cusparseLtDenseDescriptorInit(handle, &p->d, key.m, key.n, d_ld, 16,
+                                         (cudaDataType)key.d_type, d_order)) !=
+      CUSPARSE_STATUS_SUCCESS)
+    return ffi::Unexpected(err("cusparseLtDenseDescriptorInit(D)", s));
+  cusparseOperation_t op_a = key.trans_a ? CUSPARSE_OPERATION_TRANSPOSE
+                                         : CUSPARSE_OPERATION_NON_TRANSPOSE;
+  cusparseOperation_t op_b = key.trans_b ? CUSPARSE_OPERATION_TRANSPOSE
+                                         : CUSPARSE_OPERATION_NON_TRANSPOSE;
+  if ((s = cusparseLtMatmulDescriptorInit(handle, &p->matmul, op_a, op_b, &p->a, &p->b, &p->d,
+                                          &p->d, CUSPARSE_COMPUTE_32F)) !=
+      CUSPARSE_STATUS_SUCCESS)
+    return ffi::Unexpected(err("cusparseLtMatmulDescriptorInit", s));
+  if ((s = cusparseLtMatmulAlgSelectionInit(handle, &p->alg, &p->matmul,
+                                            CUSPARSELT_MATMUL_ALG_DEFAULT)) !=
+      CUSPARSE_STATUS_SUCCESS)
+    return ffi::Unexpected(err("cusparseLtMatmulAlgSelectionInit", s));
+  if ((s = cusparseLtMatmulPlanInit(handle, &p->plan, &p->matmul, &p->alg)) !=
+      CUSPARSE_STATUS_SUCCESS)
+    return ffi::Unexpected(err("cusparseLtMatmulPlanInit", s));
+  // The algorithm, once per plan: cusparseLtMatmulSearch times the candidates on buffers of
+  // the GEMM's shapes (their contents do not matter for timing).
+  size_t workspace = 0;
+  if ((s = cusparseLtMatmulGetWorkspace(handle, &p->plan, &workspace)) !=
+      CUSPARSE_STATUS_SUCCESS)
+    return ffi::Unexpected(err("cusparseLtMatmulGetWorkspace", s));
+  size_t a_bytes = 0, a_buffer = 0;
+  if ((s = cusparseLtSpMMACompressedSize(handle, &p->plan, &a_bytes, &a_buffer)) !=
+      CUSPARSE_STATUS_SUCCESS)
+    return ffi::Unexpected(err("cusparseLtSpMMACompressedSize", s));
+  size_t elem_b = key.b_type == CUDA_R_16BF || key.b_type == CUDA_R_16F ? 2
+                  : key.b_type == CUDA_R_32F ? 4 : 1;
+  size_t elem_d = key.d_type == CUDA_R_16BF || key.d_type == CUDA_R_16F ? 2
+                  : key.d_type == CUDA_R_32F ? 4 : 1;
+  void* sa = Scratch(scratch, a_bytes);
+  void* sb = Scratch(scratch, size_t(key.k) * key.n * elem_b);
+  void* sd = Scratch(scratch, size_t(key.m) * key.n * elem_d);
+  void* sw = Scratch(scratch, workspace);
+  if (!sa || !sb || !sd || (workspace && !sw))
+    return ffi::Unexpected(ffi::Error::Internal(
+        "cuSPARSELt: XLA's scratch allocator could not provide the algorithm search's "
+        "buffers"));
+  float alpha = 1.0f, beta = 0.0f;
+  if ((s = cusparseLtMatmulSearch(handle, &p->plan, &alpha, sa, sb, &beta, sd, sd, sw, &stream,
+                                  1)) != CUSPARSE_STATUS_SUCCESS)
+    return ffi::Unexpected(err("cusparseLtMatmulSearch", s));
+  // The search may pick an algorithm with other needs: ask again.
+  if ((s = cusparseLtMatmulGetWorkspace(handle, &p->plan, &p->workspace)) !=
+      CUSPARSE_STATUS_SUCCESS)
+    return ffi::Unexpected(err("cusparseLtMatmulGetWorkspace", s));
+  if ((s = cusparseLtSpMMACompressedSize(handle, &p->plan, &p->compressed,
+                                         &p->compress_buffer)) != CUSPARSE_STATUS_SUCCESS)
+    return ffi::Unexpected(err("cusparseLtSpMMACompressedSize", s));
+  return (plans[key] = std::move(p)).get();
+}
+
+ffi::ErrorOr<Key> MakeKey(int device, int64_t m, int64_t n, int64_t k, ffi::DataType a,
+                          ffi::DataType b, ffi::DataType d, bool trans_a, bool trans_b,
+                          bool d_row_major) {
+  auto at = CudaType(a), bt = CudaType(b), dt = CudaType(d);
+  if (at.has_error()) return ffi::Unexpected(at.error());
+  if (bt.has_error()) return ffi::Unexpected(bt.error());
+  if (dt.has_error()) return ffi::Unexpected(dt.error());
+  if (k % 4)
+    return ffi::Unexpected(ffi::Error::InvalidArgument(
+        "cuSPARSELt: the contraction dimension k=" + std::to_string(k) +
+        " must be a multiple of 4 (2:4 groups along it)"));
+  return Key{device, m, n, k, int(*at), int(*bt), int(*dt), trans_a, trans_b, d_row_major};
+}
+
+ffi::Error Compress(cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t device,
+                    ffi::AnyBuffer dense, ffi::Result<ffi::AnyBuffer> compressed, int64_t m,
+                    int64_t n, int64_t k, bool trans_a, bool trans_b, bool d_row_major,
+                    std::string_view b_dtype, std::string_view d_dtype) {
+  auto b = b_dtype == "bf16" ? ffi::DataType::BF16 : b_dtype == "f16" ? ffi::DataType::F16
+         : b_dtype == "e4m3" ? ffi::DataType::F8E4M3FN : b_dtype == "e5m2"
+         ? ffi::DataType::F8E5M2 : ffi::DataType::F32;
+  auto d = d_dtype == "bf16" ? ffi::DataType::BF16 : d_dtype == "f16" ? ffi::DataType::F16
+                                                                      : ffi::DataType::F32;
+  auto key = MakeKey(device, m, n, k, dense.element_type(), b, d, trans_a, trans_b,
+                     d_row_major);
+  if (key.has_error()) return key.error();
+  std::lock_guard<std::mutex> lock(mu);
+  S24_CUDA(cudaSetDevice(device));
+  auto plan = GetPlan(*key, stream, scratch);
+  if (plan.has_error()) return plan.error();
+  Plan* p = *plan;
+  if (p->compressed > compressed->size_bytes()) {
+    return ffi::Error::Internal(
+        "cuSPARSELt: the compressed operand needs " + std::to_string(p->compressed) +
+        " bytes, more than the " + std::to_string(compressed->size_bytes()) +
+        " the trace reserved (the dense operand's size)");
+  }
+  void* buffer = Scratch(scratch, p->compress_buffer);
+  if (p->compress_buffer && !buffer)
+    return ffi::Error::Internal("cuSPARSELt: no scratch for the compression buffer");
+  S24_CUSPARSELT(cusparseLtSpMMACompress(handles[device].get(), &p->plan, dense.untyped_data(),
+                                         compressed->untyped_data(), buffer, stream));
+  return ffi::Error::Success();
+}
+
+ffi::Error Spmm(cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t device,
+                ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer> d, int64_t m,
+                int64_t n, int64_t k, bool trans_a, bool trans_b, bool d_row_major,
+                std::string_view a_dtype) {
+  auto at = a_dtype == "bf16" ? ffi::DataType::BF16 : a_dtype == "f16" ? ffi::DataType::F16
+          : a_dtype == "e4m3" ? ffi::DataType::F8E4M3FN : a_dtype == "e5m2"
+          ? ffi::DataType::F8E5M2 : ffi::DataType::F32;
+  auto key = MakeKey(device, m, n, k, at, b.element_type(), d->element_type(), trans_a,
+                     trans_b, d_row_major);
+  if (key.has_error()) return key.error();
+  std::lock_guard<std::mutex> lock(mu);
+  S24_CUDA(cudaSetDevice(device));
+  auto plan = GetPlan(*key, stream, scratch);
+  if (plan.has_error()) return plan.error();
+  Plan* p = *plan;
+  void* workspace = Scratch(scratch, p->workspace);
+  if (p->workspace && !workspace)
+    return ffi::Error::Internal("cuSPARSELt: no scratch for the matmul workspace");
+  float alpha = 1.0f, beta = 0.0f;
+  S24_CUSPARSELT(cusparseLtMatmul(handles[device].get(), &p->plan, &alpha, a.untyped_data(),
+                                  b.untyped_data(), &beta, d->untyped_data(),
+                                  d->untyped_data(), workspace, &stream, 1));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    CusparseltCompress, Compress,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()
+        .Ctx<ffi::ScratchAllocator>()
+        .Ctx<ffi::DeviceOrdinal>()
+        .Arg<ffi::AnyBuffer>()
+        .Ret<ffi::AnyBuffer>()
+        .Attr<int64_t>("m")
+        .Attr<int64_t>("n")
+        .Attr<int64_t>("k")
+        .Attr<bool>("trans_a")
+        .Attr<bool>("trans_b")
+        .Attr<bool>("d_row_major")
+        .Attr<std::string_view>("b_dtype")
+        .Attr<std::string_view>("d_dtype"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    CusparseltSpmm, Spmm,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()
+        .Ctx<ffi::ScratchAllocator>()
+        .Ctx<ffi::DeviceOrdinal>()
+        .Arg<ffi::AnyBuffer>()
+        .Arg<ffi::AnyBuffer>()
+        .Ret<ffi::AnyBuffer>()
+        .Attr<int64_t>("m")
+        .Attr<int64_t>("n")
+        .Attr<int64_t>("k")
+        .Attr<bool>("trans_a")
+        .Attr<bool>("trans_b")
+        .Attr<bool>("d_row_major")
+        .Attr<std::string_view>("a_dtype"));

@@ -1,0 +1,137 @@
+"""Builds, loads and registers the cuSPARSELt FFI handlers (cusparselt_ffi.cc) on first use.
+
+Built where it runs, with the system C++ compiler (no nvcc: cuSPARSELt is a host API working
+on XLA's stream), against this jaxlib's FFI headers (`jax.ffi.include_dir()`) and the
+cuSPARSELt and CUDA runtime headers and libraries of the `nvidia-*` wheels
+(`pip install -r requirements-gpu.txt`, or `requirements-cusparselt.txt` alone). The shared library is cached under the s24jax cache
+(`$S24JAX_CACHE`, else `~/.cache/s24jax`) in `cusparselt/`, keyed by the jaxlib and cuSPARSELt
+versions and the source's hash, so an upgrade rebuilds. The build needs no GPU.
+
+`register()` preloads the wheel's libcudart and libcusparseLt (so the handler's sonames
+resolve) and registers the FFI targets `cusparselt_compress` and `cusparselt_spmm` for the
+CUDA platform. Anything missing raises `Unavailable` with the command that fixes it.
+"""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import hashlib
+import importlib.util
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+
+import jax
+import jaxlib
+
+SOURCE = pathlib.Path(__file__).with_name("cusparselt_ffi.cc")
+# FFI target name -> the handler's symbol in the library. Every target starts with
+# 'cusparselt' (the compile checks count custom calls by that prefix).
+TARGETS = {"cusparselt_compress": "CusparseltCompress", "cusparselt_spmm": "CusparseltSpmm"}
+PREFIX = "cusparselt"
+INSTALL_HINT = ("pip install -r requirements-gpu.txt (a GPU host; or requirements-cusparselt.txt: "
+                "the wheels alone, e.g. to build on a machine without a GPU)")
+
+
+class Unavailable(RuntimeError):
+  """The cuSPARSELt backend cannot be built or loaded here; the message says what to do."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Toolchain:
+  """Where the build finds everything: the wheel's CUDA folder (include/, lib/), jaxlib's FFI
+  headers, the C++ compiler, and the cuSPARSELt version from its header."""
+  cuda_root: pathlib.Path
+  ffi_include: pathlib.Path
+  compiler: str
+  cusparselt_version: str
+
+  @property
+  def lib_dir(self) -> pathlib.Path:
+    return self.cuda_root / "lib"
+
+
+def _cuda_root() -> pathlib.Path:
+  """The `nvidia/cu13` folder of the installed wheels that has cuSPARSELt and the runtime."""
+  spec = importlib.util.find_spec("nvidia")
+  roots = [pathlib.Path(p) / "cu13" for p in (spec.submodule_search_locations or [])] if spec else []
+  need = ("include/cusparseLt.h", "include/cuda_runtime_api.h", "include/crt/host_defines.h",
+          "lib/libcusparseLt.so.0", "lib/libcudart.so.13")
+  for root in roots:
+    if all((root / n).exists() for n in need):
+      return root
+  found = [str(r / n) for r in roots for n in need if (r / n).exists()]
+  raise Unavailable(
+      "sparsity.backend='cusparselt' needs the cuSPARSELt and CUDA runtime wheels "
+      f"(nvidia-cusparselt-cu13, nvidia-cuda-runtime, nvidia-cuda-crt): {INSTALL_HINT}. "
+      f"Looked for {', '.join(need)} under {[str(r) for r in roots] or 'no nvidia package'}"
+      f"{'; found only ' + ', '.join(found) if found else ''}.")
+
+
+def toolchain() -> Toolchain:
+  root = _cuda_root()
+  compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+  if not compiler:
+    raise Unavailable("sparsity.backend='cusparselt' builds its FFI handlers with a C++17 "
+                      "compiler on first use, and none was found (set CXX, or install g++: "
+                      "`apt-get install g++`).")
+  header = (root / "include" / "cusparseLt.h").read_text(errors="replace")
+  parts = [re.search(rf"#define CUSPARSELT_VER_{p}\s+(\d+)", header) for p in
+           ("MAJOR", "MINOR", "PATCH")]
+  version = ".".join(m.group(1) for m in parts) if all(parts) else "unknown"
+  return Toolchain(root, pathlib.Path(jax.ffi.include_dir()), compiler, version)
+
+
+def cache_dir() -> pathlib.Path:
+  base = os.environ.get("S24JAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                        "s24jax")
+  return pathlib.Path(base) / "cusparselt"
+
+
+def library_path(tools: Toolchain) -> pathlib.Path:
+  """The cached library for this jaxlib, this cuSPARSELt and this source."""
+  digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+  return cache_dir() / (f"s24jax_cusparselt_jaxlib{jaxlib.__version__}_"
+                        f"cusparselt{tools.cusparselt_version}_{digest}.so")
+
+
+def build_command(tools: Toolchain, out: pathlib.Path) -> list[str]:
+  return [tools.compiler, "-std=c++17", "-O2", "-shared", "-fPIC", "-w",
+          f"-I{tools.ffi_include}", f"-I{tools.cuda_root / 'include'}", str(SOURCE),
+          "-o", str(out), f"-L{tools.lib_dir}", "-l:libcusparseLt.so.0", "-l:libcudart.so.13",
+          f"-Wl,-rpath,{tools.lib_dir}"]
+
+
+def build(*, force: bool = False) -> pathlib.Path:
+  """The compiled library, built into the cache if it is not there (atomic: a temporary file
+  renamed, so concurrent processes never load half a library)."""
+  tools = toolchain()
+  out = library_path(tools)
+  if out.exists() and not force:
+    return out
+  out.parent.mkdir(parents=True, exist_ok=True)
+  tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
+  proc = subprocess.run(build_command(tools, tmp), capture_output=True, text=True, check=False)
+  if proc.returncode:
+    raise Unavailable(f"building the cuSPARSELt FFI handlers failed ({' '.join(proc.args)}):\n"
+                      f"{proc.stderr[-4000:]}")
+  os.replace(tmp, out)
+  return out
+
+
+@functools.cache
+def register() -> pathlib.Path:
+  """Builds (if needed), loads and registers the handlers for the CUDA platform, once per
+  process. Registration works without a GPU (the deviceless compiles use it)."""
+  path = build()
+  tools = toolchain()
+  for name in ("libcudart.so.13", "libcusparseLt.so.0"):   # the handler's NEEDED sonames
+    ctypes.CDLL(str(tools.lib_dir / name), mode=ctypes.RTLD_GLOBAL)
+  lib = ctypes.cdll.LoadLibrary(str(path))
+  for target, symbol in TARGETS.items():
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
+                                platform="CUDA")
+  return path

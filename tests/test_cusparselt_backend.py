@@ -1,0 +1,264 @@
+"""sparsity.backend='cusparselt': the wiring around the cuSPARSELt FFI calls, on CPU.
+
+The FFI handlers need a GPU. Here `cusparselt.standin()` replaces the two FFI calls by jnp
+with the same operands, transposes and layouts (kernels/cusparselt/ops.py): the one place a
+test replaces the library. With it, everything s24jax builds around the calls (the GEMM
+convention, the three GEMMs, MVUE, FP8, accumulation, the mesh) is checked against the 'xla'
+backend. The handlers themselves: the `gpu` tests at the end, and the library build test,
+which compiles and registers the real handlers (no GPU needed) when the wheels are there.
+"""
+import dataclasses
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import jaxlib
+import numpy as np
+import pytest
+
+from s24jax import loop, sparse_ops, train
+from s24jax import model as model_lib
+from s24jax.kernels import masks
+from s24jax.kernels.cusparselt import library
+from s24jax.kernels.cusparselt import ops as cusparselt
+
+from tiny import tiny_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _normal(seed, shape, dtype=jnp.float32):
+  return jax.random.normal(jax.random.key(seed), shape, dtype)
+
+
+@pytest.mark.parametrize("trans_a,trans_b", [(True, False), (False, False), (True, True),
+                                             (False, True)])
+def test_standin_follows_the_column_major_convention(trans_a, trans_b):
+  """D = op(A) op(B) with each array read as the docstring says, against NumPy."""
+  g = cusparselt.Gemm(m=32, n=48, k=64, trans_a=trans_a, trans_b=trans_b)
+  a = np.asarray(_normal(0, g.a_shape()))
+  b = np.asarray(_normal(1, g.b_shape()))
+  op_a = a if trans_a else a.T          # (m, k)
+  op_b = b if trans_b else b.T          # (k, n)
+  want = (op_a @ op_b).T                # the D array: D^T, (n, m)
+  with cusparselt.standin():
+    c = cusparselt.compress(jnp.asarray(a), g, b_dtype=jnp.float32, d_dtype=jnp.float32)
+    assert c.dtype == jnp.uint8 and c.shape == (a.size * 4,)
+    d = cusparselt.spmm(c, jnp.asarray(b), g, a_dtype=jnp.float32, out_dtype=jnp.float32)
+  assert d.shape == g.d_shape() == want.shape
+  np.testing.assert_allclose(d, want, rtol=1e-5, atol=1e-5)
+
+
+def test_shapes_it_cannot_take_name_the_dimension():
+  g = cusparselt.Gemm(m=32, n=48, k=36, trans_a=True, trans_b=False)
+  with cusparselt.standin(), pytest.raises(ValueError, match=r"k \(the contraction.*36"):
+    cusparselt.compress(jnp.zeros(g.a_shape()), g, b_dtype=jnp.float32, d_dtype=jnp.float32)
+
+
+def test_off_a_gpu_it_names_the_backend_that_runs():
+  g = cusparselt.Gemm(m=32, n=48, k=64, trans_a=True, trans_b=False)
+  with pytest.raises(cusparselt.UnsupportedDevice, match="sparsity.backend='xla'"):
+    cusparselt.compress(jnp.zeros(g.a_shape()), g, b_dtype=jnp.float32, d_dtype=jnp.float32)
+
+
+def _weights(transposable, seed=3, shape=(64, 32)):
+  w = _normal(seed, shape)
+  mask = masks.transposable_mask(w) if transposable else masks.nm_mask(w)
+  return jnp.where(mask, w, 0)
+
+
+@pytest.mark.parametrize("transposable,mvue,fp8", [(False, False, False), (True, False, False),
+                                                   (False, True, False), (True, True, False),
+                                                   (True, True, True)])
+def test_three_gemms_equal_the_xla_backend(transposable, mvue, fp8):
+  """Forward, dX and dW of sparse_linear through the cusparselt wiring (stand-in) against
+  'xla' with the same key: the same MVUE estimate, the same FP8 quantization."""
+  x = _normal(4, (2, 48, 32))                                   # (B, T, in); 96 tokens
+  w = _weights(transposable)                                    # (out, in)
+  dy = _normal(5, (2, 48, 64))
+  key = jax.random.key(7)
+
+  def grads(backend):
+    def f(x, w):
+      y = sparse_ops.sparse_linear(x, w, key, mvue=mvue, backend=backend, fp8=fp8,
+                                   transposable=transposable)
+      return jnp.sum(y * dy), y
+    (_, y), (gx, gw) = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(x, w)
+    return y, gx, gw
+
+  want = grads("xla")
+  with cusparselt.standin():
+    got = jax.jit(lambda: grads("cusparselt"))()
+  tol = dict(rtol=2e-2, atol=2e-2) if fp8 else dict(rtol=1e-5, atol=1e-5)
+  for name, a, b in zip(("y", "dX", "dW"), got, want):
+    np.testing.assert_allclose(a, b, **tol, err_msg=name)
+
+
+def test_the_gemm_operands_are_what_cusparselt_needs(monkeypatch):
+  """The sparse operand of each GEMM is 2:4 along its contraction dimension, as cuSPARSELt
+  requires: W~ along `in` (forward), W~ along `out` (dX, transposable), MVUE(dY^T) along the
+  tokens (dW)."""
+  seen = []
+  real = cusparselt.compress
+
+  def spy(a, gemm, **kw):
+    op_a = a if gemm.trans_a else a.T                   # (m, k): 2:4 along k
+    seen.append((gemm, bool(jnp.all(jnp.sum(op_a.reshape(gemm.m, -1, 4) != 0, -1) <= 2))))
+    return real(a, gemm, **kw)
+
+  monkeypatch.setattr(cusparselt, "compress", spy)
+  x, w, key = _normal(4, (96, 32)), _weights(True), jax.random.key(1)
+  with cusparselt.standin():
+    jax.grad(lambda w: jnp.sum(sparse_ops.sparse_linear(
+        x, w, key, mvue=True, backend="cusparselt", transposable=True) ** 2))(w)
+  ks = sorted(g.k for g, _ in seen)
+  assert ks == [32, 64, 96], seen                      # in (fwd), out (dX), tokens (dW)
+  assert all(ok for _, ok in seen), seen
+
+
+@pytest.mark.parametrize("method,overrides", [
+    ("t_sr_ste", dict(sparsity__mvue=True, sparsity__t_sr_ste__decay=6e-5)),
+    ("s_ste", dict(sparsity__mvue=True, sparsity__fp8=True, grad_accum_steps=2)),
+])
+def test_tiny_training_equals_the_xla_backend(method, overrides, data_cache):
+  """Losses of a few jitted train steps, cusparselt (stand-in) against xla."""
+  def losses(backend):
+    cfg = tiny_config(method, steps=3, workdir_cache=data_cache, batch_size=8,
+                      sparsity__backend=backend, **overrides)
+    _, model_cfg, tx_fn = loop.build(cfg)
+    model = model_lib.GPT2(model_cfg)
+    state = train.fresh_state(model, tx_fn, 0)
+    tx = tx_fn(state.params, state.sparsity)
+    rng, out = np.random.default_rng(0), []
+    for _ in range(3):
+      tok = jnp.asarray(rng.integers(0, 256, (8, 16)), jnp.int32)
+      state, m = train.train_step(state, {"inputs": tok, "targets": tok}, model=model, tx=tx,
+                                  accum_steps=int(cfg.grad_accum_steps))
+      out.append(float(m["loss"] / m["count"]))
+    return out
+
+  want = losses("xla")
+  with cusparselt.standin():
+    got = losses("cusparselt")
+  tol = 2e-3 if overrides.get("sparsity__fp8") else 1e-5
+  np.testing.assert_allclose(got, want, rtol=tol)
+
+
+_MESH = r"""
+import sys
+sys.path.insert(0, {tests!r})
+import jax, jax.numpy as jnp, numpy as np
+from s24jax import loop, model as model_lib, sharding, train
+from s24jax.kernels.cusparselt import ops as cusparselt
+from tiny import tiny_config
+assert jax.device_count() == 4
+def losses(backend):
+  cfg = tiny_config("t_sr_ste", steps=3, workdir_cache={cache!r}, batch_size=8,
+                    sparsity__backend=backend, sparsity__t_sr_ste__decay=6e-5)
+  part = sharding.Partitioner(sharding.make_mesh(cfg.mesh))
+  _, model_cfg, tx_fn = loop.build(cfg)
+  model = model_lib.GPT2(model_cfg)
+  init = lambda: train.fresh_state(model, tx_fn, 0)
+  state = jax.jit(init, out_shardings=part.state_shardings(jax.eval_shape(init)))()
+  tx = tx_fn(state.params, state.sparsity)
+  rng, out, text = np.random.default_rng(0), [], None
+  for _ in range(3):
+    tok = jax.device_put(jnp.asarray(rng.integers(0, 256, (8, 16)), jnp.int32), part.batch)
+    batch = {{"inputs": tok, "targets": tok}}
+    if text is None:
+      text = train.train_step.lower(state, batch, model=model, tx=tx,
+                                    partitioner=part).as_text()
+    state, m = train.train_step(state, batch, model=model, tx=tx, partitioner=part)
+    out.append(float(m["loss"] / m["count"]))
+  return out, text
+want, _ = losses("xla")
+with cusparselt.standin():
+  got, text = losses("cusparselt")
+np.testing.assert_allclose(got, want, rtol=1e-5)
+assert "shard_map" in text or "sdy.manual_computation" in text or "custom_call @Sharding" in text
+print("OK", got)
+"""
+
+
+def test_under_a_mesh_each_device_runs_its_own_shard(tmp_path, data_cache):
+  """4 data-parallel devices: the cusparselt op runs under shard_map (each device its own
+  tokens), and the losses equal the xla backend's."""
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+             JAX_PLATFORMS="cpu")
+  script = _MESH.format(tests=os.path.join(REPO, "tests"), cache=data_cache)
+  run = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO, timeout=600,
+                       capture_output=True, text=True)
+  assert run.returncode == 0 and "OK" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
+
+
+def test_the_library_builds_and_registers_without_a_gpu(tmp_path, monkeypatch):
+  """The real handlers: compiled with g++ against jaxlib's FFI headers and the wheels, cached
+  by version, registered for CUDA. Skipped, saying why, where the wheels are not installed."""
+  try:
+    tools = library.toolchain()
+  except library.Unavailable as e:
+    assert library.INSTALL_HINT in str(e)
+    pytest.skip(f"cuSPARSELt wheels not installed: {e}")
+  monkeypatch.setenv("S24JAX_CACHE", str(tmp_path))
+  path = library.build()
+  assert path.exists() and path.parent == tmp_path / "cusparselt"
+  assert f"cusparselt{tools.cusparselt_version}" in path.name and jaxlib.__version__ in path.name
+  mtime = path.stat().st_mtime
+  assert library.build() == path and path.stat().st_mtime == mtime   # cached, not rebuilt
+  symbols = subprocess.run(["nm", "-D", str(path)], capture_output=True, text=True).stdout
+  for symbol in library.TARGETS.values():
+    assert symbol in symbols
+  library.register.cache_clear()
+  library.register()
+
+
+def test_a_missing_wheel_or_compiler_is_one_clear_error(monkeypatch):
+  monkeypatch.setattr(library.importlib.util, "find_spec", lambda name: None)
+  with pytest.raises(library.Unavailable, match=r"pip install -r requirements-gpu.txt"):
+    library.toolchain()
+
+
+# ---------------------------------------------------------------------------------------------
+# On a GPU (A100 / H100): the handlers against jnp, the GEMMs and a tiny run against xla.
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("trans_a,trans_b", [(True, False), (False, False), (True, True)])
+def test_gpu_handlers_equal_jnp(trans_a, trans_b):
+  g = cusparselt.Gemm(m=256, n=512, k=128, trans_a=trans_a, trans_b=trans_b)
+  a = _normal(0, g.a_shape(), jnp.bfloat16)
+  op_a = a if trans_a else a.T
+  op_a = jnp.where(masks.nm_mask(op_a), op_a, 0)             # 2:4 along k
+  a = op_a if trans_a else op_a.T
+  b = _normal(1, g.b_shape(), jnp.bfloat16)
+  d = jax.jit(lambda a, b: cusparselt.spmm(
+      cusparselt.compress(a, g, b_dtype=b.dtype, d_dtype=b.dtype), b, g, a_dtype=a.dtype,
+      out_dtype=jnp.float32))(a, b)
+  with cusparselt.standin():
+    want = cusparselt.spmm(cusparselt.compress(a, g, b_dtype=b.dtype, d_dtype=b.dtype), b, g,
+                           a_dtype=a.dtype, out_dtype=jnp.float32)
+  np.testing.assert_allclose(d, want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("transposable,mvue", [(False, False), (True, True)])
+def test_gpu_three_gemms_equal_the_xla_backend(transposable, mvue):
+  x = _normal(4, (4, 256, 256), jnp.bfloat16)
+  w = _weights(transposable, shape=(512, 256)).astype(jnp.bfloat16)
+  dy = _normal(5, (4, 256, 512), jnp.bfloat16)
+  key = jax.random.key(7)
+
+  def grads(backend):
+    def f(x, w):
+      y = sparse_ops.sparse_linear(x, w, key, mvue=mvue, backend=backend,
+                                   transposable=transposable)
+      return jnp.sum((y * dy).astype(jnp.float32)), y
+    return jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(x, w)
+
+  (_, y1), g1 = grads("cusparselt")
+  (_, y0), g0 = grads("xla")
+  for a, b in zip((y1, *g1), (y0, *g0)):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                               rtol=3e-2, atol=3e-1)
