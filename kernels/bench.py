@@ -11,7 +11,8 @@ kernels/timing.py: A100, H100, B200; sources in kernels/BENCHMARKS.md).
 It refuses to run on CPU (interpret-mode timings are meaningless) unless
 asked for a smoke run: `python -m s24jax.kernels.bench --interpret --small`.
 Options: --only name[,name] (sparsify24, transposable, mvue24, matmul,
-matmul_bwd, venom, gated, tcgen05 (Blackwell only)), --reps N, --json PATH (rows as JSON),
+matmul_bwd, venom, gated, tcgen05 (Blackwell only), cusparselt (A100 / H100)),
+--backend cusparselt (the same as --only cusparselt), --reps N, --json PATH (rows as JSON),
 --full (all d x all token counts; the default trims the sweep to fit one
 10-minute GPU call), --markdown (print a table for kernels/BENCHMARKS.md).
 
@@ -31,12 +32,13 @@ from . import tcgen05
 from . import timing
 from . import transposable_mask
 from . import venom
+from .cusparselt import benchmark as cusparselt_benchmark
 
 # Every family's rows, in the order they run and print.
 BENCHMARKS: dict[str, timing.Benchmark] = {
     **sparsify24.BENCHMARKS, **transposable_mask.BENCHMARKS, **mvue24.BENCHMARKS,
     **compressed_matmul.BENCHMARKS, **venom.BENCHMARKS, **gated_activation.BENCHMARKS,
-    **tcgen05.BENCHMARKS,
+    **tcgen05.BENCHMARKS, **cusparselt_benchmark.BENCHMARKS,
 }
 KERNELS = tuple(BENCHMARKS)
 

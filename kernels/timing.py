@@ -107,7 +107,7 @@ def plan(small: bool, full: bool) -> dict[str, list[tuple[int, ...]]]:
     return dict(sparsify24=[(16, 64)], transposable=[(32, 64)],
                 mvue24=[(16, 64)], matmul=[(16, 64, 128)],
                 matmul_bwd=[(16, 64, 128)], venom=[(32, 32)],
-                gated=[(16, 16)], tcgen05=[(128, 128, 128)])
+                gated=[(16, 16)], tcgen05=[(128, 128, 128)], cusparselt=[(64, 64, 128)])
   widths = WIDTHS if full else (768, 1600)
   weights = [(4 * d, d) for d in widths] + [(d, 4 * d) for d in widths]
   mm_tokens = TOKENS if full else (16, 64, 256, 4096)
@@ -120,6 +120,10 @@ def plan(small: bool, full: bool) -> dict[str, list[tuple[int, ...]]]:
       venom=[(t, d) for d in widths for t in (1024, 16384)],
       gated=[(t, d) for d in widths for t in (1024, 16384)],
       tcgen05=[(t, n, k) for (n, k) in weights for t in (4096, 16384)],
+      # cuSPARSELt: every GPT-2 width (d 768..1600, hidden 4d), 8k..64k tokens per device.
+      cusparselt=[(t, n, k) for (n, k) in ([(4 * d, d) for d in WIDTHS]
+                                           + [(d, 4 * d) for d in WIDTHS])
+                  for t in ((8192, 16384, 32768, 65536) if full else (8192, 65536))],
   )
 
 
@@ -136,7 +140,14 @@ def main(benchmarks: Mapping[str, Benchmark], argv=None, *,
   p.add_argument("--reps", type=int, default=None)
   p.add_argument("--json", default="", help="write rows to this JSON file")
   p.add_argument("--markdown", action="store_true")
+  p.add_argument("--backend", default="", help="only this backend's rows: 'cusparselt' "
+                 "(its three GEMMs against cuBLAS dense)")
   args = p.parse_args(argv)
+  if args.backend:
+    if args.backend not in benchmarks:
+      print(f"unknown backend {args.backend!r}; valid: 'cusparselt'")
+      return 2
+    args.only = args.backend
   label = prog.split()[-1]   # "s24jax.kernels.bench"
   if not c.on_gpu() and not args.interpret:
     print(f"{label}: no GPU backend (jax.default_backend() = "
