@@ -63,7 +63,11 @@ def amax_scale(x: jax.Array, dtype) -> jax.Array:
   An all-zero tensor gets scale 1 (nothing to scale). The scale is capped at the largest
   float32 so that a tensor of denormals does not produce an infinite scale.
   """
-  amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+  return scale_from_amax(jnp.max(jnp.abs(x)).astype(jnp.float32), dtype)
+
+
+def scale_from_amax(amax: jax.Array, dtype) -> jax.Array:
+  """`amax_scale` from a given amax (e.g. the max over the shards of a sharded tensor)."""
   scale = fmax(dtype) / jnp.where(amax > 0, amax, 1.0)
   return jnp.where(amax > 0, jnp.minimum(scale, jnp.finfo(jnp.float32).max), 1.0)
 

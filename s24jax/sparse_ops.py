@@ -84,6 +84,9 @@ class GemmOptions:
   # W~ is 2:4 along `out` too (a transposable mask, Method.transposable): the data-gradient
   # GEMM may then run sparse ('tcgen05'); otherwise it is dense.
   transposable: bool = False
+  # Set by `_per_device` inside shard_map: the mesh axes the tokens are split over, so that
+  # FP8's per-tensor amax is the whole tensor's (a pmax over them), as on the 'xla' backend.
+  token_axes: tuple[str, ...] = ()
 
   def __post_init__(self):
     if self.backend not in BACKENDS:
@@ -279,11 +282,19 @@ _tcgen05_linear_2d.defvjp(_tcgen05_linear_2d_fwd, _tcgen05_linear_2d_bwd)
 
 
 def _cslt_operands(a: jax.Array, b: jax.Array, opts: GemmOptions, a_format, b_format):
-  """The two operands in the GEMM's dtype (FP8: quantized, with their per-tensor scales)."""
+  """The two operands in the GEMM's dtype (FP8: quantized, with their per-tensor scales;
+  under shard_map the amax of the whole tensor, so every device uses one scale)."""
   if not opts.fp8:
     return a, b, None
-  qa, sa = fp8_lib.quantize(a, a_format)
-  qb, sb = fp8_lib.quantize(b, b_format)
+
+  def scale(x, fmt):
+    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    if opts.token_axes:
+      amax = jax.lax.pmax(amax, opts.token_axes)
+    return fp8_lib.scale_from_amax(amax, fmt)
+
+  qa, sa = fp8_lib.quantize(a, a_format, scale(a, a_format))
+  qb, sb = fp8_lib.quantize(b, b_format, scale(b, b_format))
   return qa, qb, (1.0 / sa) * (1.0 / sb)   # as fp8.scaled_dot_general: no sa * sb overflow
 
 
@@ -352,18 +363,21 @@ def _per_device(op, opts: GemmOptions):
   otherwise gather the batch-sharded activations and run the whole global GEMM everywhere.
   W~ is replicated into it (the FSDP all-gather, as for any GEMM); its gradient is summed
   over the devices by shard_map's transpose (the data-parallel all-reduce). MVUE draws from
-  fold_in(key, device index), so the shards' estimates are independent."""
+  fold_in(key, device index), so the shards' estimates are independent; FP8 scales are the
+  whole tensors' (a pmax of the shards' amax)."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or mesh.size == 1:
     return op
   axes = tuple(mesh.axis_names)
   P = jax.sharding.PartitionSpec
 
+  local_opts = dataclasses.replace(opts, token_axes=axes)
+
   def local(x, w, key):
     if key is not None and opts.mvue:
       index = jax.lax.axis_index(axes)
       key = jax.random.fold_in(key, index)
-    return op(opts, x, w, key)
+    return op(local_opts, x, w, key)
 
   def sharded(opts_, x, w, key):
     del opts_

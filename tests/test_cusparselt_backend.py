@@ -154,9 +154,9 @@ from s24jax import loop, model as model_lib, sharding, train
 from s24jax.kernels.cusparselt import ops as cusparselt
 from tiny import tiny_config
 assert jax.device_count() == 4
-def losses(backend):
-  cfg = tiny_config("t_sr_ste", steps=3, workdir_cache={cache!r}, batch_size=8,
-                    sparsity__backend=backend, sparsity__t_sr_ste__decay=6e-5)
+def losses(backend, method, **kw):
+  cfg = tiny_config(method, steps=3, workdir_cache={cache!r}, batch_size=8,
+                    sparsity__backend=backend, **kw)
   part = sharding.Partitioner(sharding.make_mesh(cfg.mesh))
   _, model_cfg, tx_fn = loop.build(cfg)
   model = model_lib.GPT2(model_cfg)
@@ -173,18 +173,21 @@ def losses(backend):
     state, m = train.train_step(state, batch, model=model, tx=tx, partitioner=part)
     out.append(float(m["loss"] / m["count"]))
   return out, text
-want, _ = losses("xla")
-with cusparselt.standin():
-  got, text = losses("cusparselt")
-np.testing.assert_allclose(got, want, rtol=1e-5)
-assert "shard_map" in text or "sdy.manual_computation" in text or "custom_call @Sharding" in text
+for method, kw, tol in (("t_sr_ste", dict(sparsity__t_sr_ste__decay=6e-5), 1e-5),
+                        ("s_ste", dict(sparsity__fp8=True), 1e-4)):
+  want, _ = losses("xla", method, **kw)
+  with cusparselt.standin():
+    got, text = losses("cusparselt", method, **kw)
+  np.testing.assert_allclose(got, want, rtol=tol)
+  assert "shard_map" in text or "sdy.manual_computation" in text or "custom_call @Sharding" in text
 print("OK", got)
 """
 
 
 def test_under_a_mesh_each_device_runs_its_own_shard(tmp_path, data_cache):
   """4 data-parallel devices: the cusparselt op runs under shard_map (each device its own
-  tokens), and the losses equal the xla backend's."""
+  tokens), and the losses equal the xla backend's, with FP8 too (one per-tensor scale over
+  the devices' shards, as on 'xla')."""
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
              JAX_PLATFORMS="cpu")
   script = _MESH.format(tests=os.path.join(REPO, "tests"), cache=data_cache)
