@@ -265,3 +265,26 @@ def test_gpu_three_gemms_equal_the_xla_backend(transposable, mvue):
   for a, b in zip((y1, *g1), (y0, *g0)):
     np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                rtol=3e-2, atol=3e-1)
+
+
+@pytest.mark.aot
+def test_deviceless_h100_compile_has_the_custom_calls(tmp_path, monkeypatch):
+  """The planner on the tiny Hu et al. recipe with cusparselt for 8 H100s (no GPU): the real
+  handlers registered, 6 custom calls per sparse layer (compress + spmm for the forward, the
+  transposable dX and the MVUE dW; 2 blocks x 2 FFN matrices, unrolled, no remat), no
+  all-gather (each device multiplies its own tokens)."""
+  try:
+    library.toolchain()
+  except library.Unavailable as e:
+    pytest.skip(str(e))
+  monkeypatch.setenv("S24JAX_CACHE", str(tmp_path))
+  out = tmp_path / "plan.json"
+  run = subprocess.run([sys.executable, "-m", "s24jax.plan", "--config",
+                        "experiments/gpt2_t_sr_ste_df.py:tiny", "--gpu", "h100", "--devices", "8",
+                        "--set", "sparsity.backend=cusparselt", "--no-search", "--json", str(out)],
+                       cwd=REPO, capture_output=True, text=True, timeout=900)
+  assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+  import json   # pylint: disable=g-import-not-at-top
+  report = json.loads(out.read_text())
+  assert report["cusparselt_custom_calls"] == 2 * 2 * 6
+  assert report["collectives"]["all-gather"] == 0
