@@ -1,5 +1,9 @@
 """The fully sparse linear op: all three GEMMs of a linear layer 2:4 sparse (Hu et al. 2024).
 
+(Over 400 lines on purpose: one op and its backends, each a custom_vjp of the same three
+GEMMs sharing `GemmOptions`, the MVUE operand and the dense fallbacks; split apart, the rules
+of one op would be read across five files.)
+
 For y = x W~^T with x (N, in) tokens and W~ (out, in) the projected weight (docs/algorithms.md):
 
   forward   y  = x W~^T          W~ is 2:4 along `in`                  (_fwd_gemm)
