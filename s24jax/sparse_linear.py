@@ -17,6 +17,7 @@ import dataclasses
 import fnmatch
 from typing import Any, Callable
 
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 from s24jax.methods import base as methods_base
 from s24jax.methods import registry
 from s24jax import sparse_ops
+from s24jax import state as state_lib
 
 BACKENDS = sparse_ops.BACKENDS
 DENSE_FINETUNE_INITS = ("latent", "projected")
@@ -65,7 +67,7 @@ class SparsityConfig:
 
 def linear(x: jax.Array, w: jax.Array, *, backend: str = "xla", sparse: bool = False,
            key: jax.Array | None = None, mvue: bool = False, fp8: bool = False,
-           transposable: bool = False) -> jax.Array:
+           transposable: bool = False, prepared: dict | None = None) -> jax.Array:
   """y = x W^T for x (..., in) and W (out, in), in x's dtype with float32 accumulation.
 
   sparse=True: W is the 2:4 projected weight W~ and all three GEMMs go through
@@ -77,7 +79,7 @@ def linear(x: jax.Array, w: jax.Array, *, backend: str = "xla", sparse: bool = F
     raise ValueError(f"unknown sparsity.backend {backend!r}; valid: {', '.join(BACKENDS)}")
   if sparse:
     return sparse_ops.sparse_linear(x, w, key, mvue=mvue, backend=backend, fp8=fp8,
-                                    transposable=transposable)
+                                    transposable=transposable, prepared=prepared)
   return jnp.einsum("...i,oi->...o", x, w.astype(x.dtype),
                     preferred_element_type=jnp.float32).astype(x.dtype)
 
@@ -125,7 +127,8 @@ class SparseLinear(nn.Module):
       if self.is_initializing():
         for name, value in _init_layer(sp.method, kernel, path).items():
           self.variable("sparsity", name, lambda v=value: v)
-      w = sp.method.project(kernel, dict(self.variables.get("sparsity", {})))
+      layer = dict(self.variables.get("sparsity", {}))
+      w = sp.method.project(kernel, layer)
     if self.matmul is not None:
       y = self.matmul(x.astype(self.dtype), w)                           # (..., out)
     else:
@@ -135,8 +138,12 @@ class SparseLinear(nn.Module):
              else None)
       # Initialisation only needs shapes: the reference backend (no kernels at init).
       backend = "xla" if self.is_initializing() else sp.backend
+      # W~ compressed once for the step (`prepare`), when the train step did so.
+      prepared = ({k: v for k, v in layer.items() if k in sparse_ops.PREPARED}
+                  if sparse else None)
       y = linear(x.astype(self.dtype), w, backend=backend, sparse=sparse, key=key,
-                 mvue=sp.mvue, fp8=sp.fp8, transposable=sp.method.transposable)  # (..., out)
+                 mvue=sp.mvue, fp8=sp.fp8, transposable=sp.method.transposable,
+                 prepared=prepared)                                      # (..., out)
     if self.use_bias:
       y = y + self.param("bias", nn.initializers.zeros, (self.features,)).astype(self.dtype)
     return y
@@ -201,3 +208,30 @@ class SparseEmbed(nn.Embed):
       return linear(x.astype(self.dtype or x.dtype), table, backend=sp.backend, sparse=True,
                     key=k, mvue=sp.mvue, fp8=sp.fp8)                     # (..., vocab)
     return sparse_head
+
+
+def prepare(model_cfg, params: Any, sparsity: Any, *, tokens: int, dtype) -> Any:
+  """The sparsity collection with each sparse linear layer's W~ compressed for this step's
+  micro-batches of `tokens` tokens per device in the compute `dtype`
+  (sparse_ops.prepare_weights), when the backend
+  multiplies compressed weights ('cusparselt'); unchanged otherwise. The train step calls it
+  once per optimizer step, outside the accumulation loop; the tied head (whose chunks differ
+  in size) compresses in its own call."""
+  sp = model_cfg.sparsity
+  if sp.backend != "cusparselt" or not sp.method.sparse or not sparsity:
+    return sparsity
+  opts = sparse_ops.GemmOptions(mvue=sp.mvue, backend=sp.backend, fp8=sp.fp8,
+                                transposable=sp.method.transposable)
+  out = flax.core.unfreeze(jax.tree.map(lambda x: x, sparsity))
+  for path in state_lib.sparse_layer_paths(sparsity):
+    if path[-1] == state_lib.HEAD or path == (state_lib.HEAD,):
+      continue
+    layer = state_lib.get_path(out, path)
+    kernel = state_lib.get_path(params, path)["kernel"]
+
+    def one(kernel, layer_state):
+      w = sp.method.project(kernel, layer_state)
+      return sparse_ops.prepare_weights(w, tokens=tokens, dtype=dtype, opts=opts)
+
+    layer.update(methods_base.per_layer(one)(kernel, dict(layer)))
+  return out

@@ -285,20 +285,22 @@ _tcgen05_linear_2d.defvjp(_tcgen05_linear_2d_fwd, _tcgen05_linear_2d_bwd)
 # row-major, passed as they are.
 
 
+def _cslt_scale(x: jax.Array, fmt, opts: GemmOptions) -> jax.Array:
+  """FP8's per-tensor scale of x; under shard_map from the amax of the whole tensor."""
+  amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+  if opts.token_axes:
+    amax = jax.lax.pmax(amax, opts.token_axes)
+  return fp8_lib.scale_from_amax(amax, fmt)
+
+
 def _cslt_operands(a: jax.Array, b: jax.Array, opts: GemmOptions, a_format, b_format):
   """The two operands in the GEMM's dtype (FP8: quantized, with their per-tensor scales;
   under shard_map the amax of the whole tensor, so every device uses one scale)."""
   if not opts.fp8:
     return a, b, None
 
-  def scale(x, fmt):
-    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
-    if opts.token_axes:
-      amax = jax.lax.pmax(amax, opts.token_axes)
-    return fp8_lib.scale_from_amax(amax, fmt)
-
-  qa, sa = fp8_lib.quantize(a, a_format, scale(a, a_format))
-  qb, sb = fp8_lib.quantize(b, b_format, scale(b, b_format))
+  qa, sa = fp8_lib.quantize(a, a_format, _cslt_scale(a, a_format, opts))
+  qb, sb = fp8_lib.quantize(b, b_format, _cslt_scale(b, b_format, opts))
   return qa, qb, (1.0 / sa) * (1.0 / sb)   # as fp8.scaled_dot_general: no sa * sb overflow
 
 
@@ -310,6 +312,49 @@ def _cslt_gemm(a: jax.Array, b: jax.Array, gemm: cusparselt.Gemm, opts: GemmOpti
   d = cusparselt.spmm(cusparselt.compress(qa, gemm, b_dtype=qb.dtype, d_dtype=out), qb, gemm,
                       a_dtype=qa.dtype, out_dtype=out).astype(jnp.float32)
   return d if dq is None else d * dq
+
+
+def _cslt_prepared_gemm(compressed: jax.Array, a_dtype, a_scale, b: jax.Array,
+                        gemm: cusparselt.Gemm, opts: GemmOptions, b_format) -> jax.Array:
+  """`_cslt_gemm` with A compressed beforehand (`prepare_weights`): only B is quantized."""
+  if opts.fp8:
+    qb, sb = fp8_lib.quantize(b, b_format, _cslt_scale(b, b_format, opts))
+    dq = (1.0 / a_scale) * (1.0 / sb)
+  else:
+    qb, dq = b, None
+  out = jnp.float32 if opts.fp8 else b.dtype
+  d = cusparselt.spmm(compressed, qb, gemm, a_dtype=a_dtype,
+                      out_dtype=out).astype(jnp.float32)
+  return d if dq is None else d * dq
+
+
+# The entries `prepare_weights` adds to a sparse layer's 'sparsity' variables for one step.
+PREPARED = ("cusparselt_fwd", "cusparselt_dx", "cusparselt_w_scale")
+
+
+def prepare_weights(w: jax.Array, *, tokens: int, dtype, opts: GemmOptions
+                    ) -> dict[str, jax.Array]:
+  """W~ (N, K) compressed for the forward and (transposable) the data-gradient GEMM of a
+  micro-batch of `tokens` tokens per device, in `dtype` (FP8: e4m3 with W~'s amax scale,
+  'cusparselt_w_scale'). The train step computes these once per optimizer step, outside the
+  accumulation loop, so that no micro-batch and no recomputed forward compresses W~ again."""
+  n, k = w.shape
+  w = jax.lax.stop_gradient(w).astype(dtype)
+  out_dtype = jnp.float32 if opts.fp8 else jnp.dtype(dtype)
+  if opts.fp8:
+    qw, sw = fp8_lib.quantize(w, fp8_lib.E4M3)   # W~ is replicated: its own amax is global
+  else:
+    qw, sw = w, None
+  x_dtype = fp8_lib.E4M3 if opts.fp8 else dtype
+  prepared = {"cusparselt_fwd": cusparselt.compress(
+      qw, _cslt_fwd_gemm(tokens, n, k), b_dtype=x_dtype, d_dtype=out_dtype)}
+  if opts.transposable:
+    dy_dtype = fp8_lib.E5M2 if opts.fp8 else dtype
+    prepared["cusparselt_dx"] = cusparselt.compress(
+        qw, _cslt_dgrad_gemm(tokens, n, k), b_dtype=dy_dtype, d_dtype=out_dtype)
+  if sw is not None:
+    prepared["cusparselt_w_scale"] = sw
+  return prepared
 
 
 def _cslt_fwd_gemm(t: int, n: int, k: int) -> cusparselt.Gemm:
@@ -329,21 +374,35 @@ def _cslt_wgrad_gemm(t: int, n: int, k: int) -> cusparselt.Gemm:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _cusparselt_linear_2d(opts: GemmOptions, x: jax.Array, w: jax.Array,
-                          key: jax.Array | None) -> jax.Array:
+                          key: jax.Array | None, prepared: dict) -> jax.Array:
   t, k = x.shape
-  y = _cslt_gemm(w.astype(x.dtype), x, _cslt_fwd_gemm(t, w.shape[0], k), opts)   # (T, N)
+  n = w.shape[0]
+  if "cusparselt_fwd" in prepared:
+    y = _cslt_prepared_gemm(prepared["cusparselt_fwd"], _prepared_dtype(x, opts),
+                            prepared.get("cusparselt_w_scale"), x, _cslt_fwd_gemm(t, n, k),
+                            opts, fp8_lib.E4M3)                            # (T, N)
+  else:
+    y = _cslt_gemm(w.astype(x.dtype), x, _cslt_fwd_gemm(t, n, k), opts)   # (T, N)
   return y.astype(x.dtype)
 
 
-def _cusparselt_linear_2d_fwd(opts, x, w, key):
-  return _cusparselt_linear_2d(opts, x, w, key), (x, w, key)
+def _prepared_dtype(x: jax.Array, opts: GemmOptions):
+  return fp8_lib.E4M3 if opts.fp8 else x.dtype
+
+
+def _cusparselt_linear_2d_fwd(opts, x, w, key, prepared):
+  return _cusparselt_linear_2d(opts, x, w, key, prepared), (x, w, key, prepared)
 
 
 def _cusparselt_linear_2d_bwd(opts, res, dy):
-  x, w, key = res
+  x, w, key, prepared = res
   (t, k), n = x.shape, w.shape[0]
   dy = dy.astype(x.dtype)
-  if opts.transposable:
+  if opts.transposable and "cusparselt_dx" in prepared:
+    dx = _cslt_prepared_gemm(prepared["cusparselt_dx"], _prepared_dtype(x, opts),
+                             prepared.get("cusparselt_w_scale"), dy,
+                             _cslt_dgrad_gemm(t, n, k), opts, fp8_lib.E5M2)   # (T, K)
+  elif opts.transposable:
     dx = _cslt_gemm(w.astype(x.dtype), dy, _cslt_dgrad_gemm(t, n, k), opts,
                     fp8_lib.E4M3, fp8_lib.E5M2)                       # (T, K)
   else:
@@ -355,7 +414,11 @@ def _cusparselt_linear_2d_bwd(opts, res, dy):
   else:
     dw = _wgrad_gemm(dy, x, key, opts)                                # (N, K), dense
   dkey = None if key is None else np.zeros(key.shape, jax.dtypes.float0)
-  return dx.astype(x.dtype), dw.astype(w.dtype), dkey
+  dprepared = jax.tree.map(
+      lambda p: (np.zeros(p.shape, jax.dtypes.float0) if not jnp.issubdtype(p.dtype,
+                                                                           jnp.floating)
+                 else jnp.zeros_like(p)), prepared)
+  return dx.astype(x.dtype), dw.astype(w.dtype), dkey, dprepared
 
 
 _cusparselt_linear_2d.defvjp(_cusparselt_linear_2d_fwd, _cusparselt_linear_2d_bwd)
@@ -377,24 +440,26 @@ def _per_device(op, opts: GemmOptions):
 
   local_opts = dataclasses.replace(opts, token_axes=axes)
 
-  def local(x, w, key):
+  def local(x, w, key, prepared):
     if key is not None and opts.mvue:
       index = jax.lax.axis_index(axes)
       key = jax.random.fold_in(key, index)
-    return op(local_opts, x, w, key)
+    return op(local_opts, x, w, key, prepared)
 
-  def sharded(opts_, x, w, key):
+  def sharded(opts_, x, w, key, prepared):
     del opts_
     key_spec = None if key is None else P()
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(axes, None), P(), key_spec),
-                         out_specs=P(axes, None), check_vma=False)(x, w, key)
+    prepared_spec = jax.tree.map(lambda _: P(), prepared)   # per device, as compressed
+    return jax.shard_map(local, mesh=mesh,
+                         in_specs=(P(axes, None), P(), key_spec, prepared_spec),
+                         out_specs=P(axes, None), check_vma=False)(x, w, key, prepared)
 
   return sharded
 
 
 def sparse_linear(x: jax.Array, w: jax.Array, key: jax.Array | None = None, *,
                   mvue: bool = False, backend: str = "xla", fp8: bool = False,
-                  transposable: bool = False) -> jax.Array:
+                  transposable: bool = False, prepared: dict | None = None) -> jax.Array:
   """y = x W~^T for x (..., in) and a 2:4 W~ (out, in), with the three-GEMM backward.
 
   Args:
@@ -411,6 +476,8 @@ def sparse_linear(x: jax.Array, w: jax.Array, key: jax.Array | None = None, *,
       data-gradient GEMM sparse as well.
     fp8: all three GEMMs in FP8 with per-tensor amax scaling (s24jax/fp8.py): x and W~ in
       e4m3, dY (and its MVUE estimate) in e5m2, fp32 accumulation.
+    prepared: 'cusparselt' only: W~ already compressed for this step (`prepare_weights`);
+      None compresses it here.
 
   Returns:
     y (..., out) in x's dtype, accumulated in float32.
@@ -429,7 +496,9 @@ def sparse_linear(x: jax.Array, w: jax.Array, key: jax.Array | None = None, *,
     op = _pallas_linear_2d
   if backend == "tcgen05":
     op = _tcgen05_linear_2d
+  x2 = x.reshape(-1, x.shape[-1])                                    # (N, in)
   if backend == "cusparselt":
-    op = _per_device(_cusparselt_linear_2d, opts)
-  y = op(opts, x.reshape(-1, x.shape[-1]), w, key)                   # (N, out)
+    y = _per_device(_cusparselt_linear_2d, opts)(opts, x2, w, key, dict(prepared or {}))
+  else:
+    y = op(opts, x2, w, key)                                         # (N, out)
   return y.reshape(*lead, w.shape[0])                                # (..., out)

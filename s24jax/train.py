@@ -19,6 +19,8 @@ import optax
 
 from s24jax import sharding
 from s24jax.methods.base import layer_scalars
+from s24jax import model as model_lib
+from s24jax import sparse_linear
 from s24jax.model import GPT2
 from s24jax.state import TrainState
 
@@ -48,12 +50,19 @@ def loss_and_grads(params: Any, sparsity: Any, batch: Batch, key: jax.Array, *, 
   sums their gradients: the same math as one big batch (each micro-batch's summed loss is
   divided by the whole batch's token count), with the activations of one micro-batch alive
   at a time. Micro-batch i draws its sparse-op randomness (MVUE) from fold_in(key, i).
+  Weights that a backend multiplies in compressed form are compressed once here, before the
+  micro-batches (`sparse_linear.prepare`), not in each of them.
   """
   tokens = batch["targets"].size
+  mesh = jax.sharding.get_abstract_mesh()
+  devices = 1 if mesh.empty else mesh.size
+  sparsity_in = sparse_linear.prepare(model.config, params, sparsity,
+                                      tokens=tokens // accum_steps // devices,
+                                      dtype=model_lib.compute_dtype(model.config.dtype))
 
   def grads_of(b, k):
     def loss_fn(p):
-      loss_sum = model.apply(_variables(p, sparsity), b["inputs"], b["targets"],
+      loss_sum = model.apply(_variables(p, sparsity_in), b["inputs"], b["targets"],
                              rngs={"sparsity": k})
       return loss_sum / tokens, loss_sum
     (_, loss_sum), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)

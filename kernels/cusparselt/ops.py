@@ -144,7 +144,9 @@ def compress(a: jax.Array, gemm: Gemm, *, b_dtype, d_dtype) -> jax.Array:
     return jax.lax.bitcast_convert_type(a.reshape(-1), jnp.uint8).reshape(nbytes)
   check_device(fp8=jnp.dtype(a.dtype).itemsize == 1)
   library.register()
-  call = jax.ffi.ffi_call("cusparselt_compress", jax.ShapeDtypeStruct((nbytes,), jnp.uint8))
+  # vmap (scanned blocks' stacked weights): one call per layer.
+  call = jax.ffi.ffi_call("cusparselt_compress", jax.ShapeDtypeStruct((nbytes,), jnp.uint8),
+                          vmap_method="sequential")
   return call(a, **gemm.attrs(), b_dtype=_name(b_dtype), d_dtype=_name(d_dtype))
 
 
@@ -164,5 +166,6 @@ def spmm(a_compressed: jax.Array, b: jax.Array, gemm: Gemm, *, a_dtype, out_dtyp
     return (d if gemm.d_row_major else d.T).astype(out_dtype)
   check_device()
   library.register()
-  call = jax.ffi.ffi_call("cusparselt_spmm", jax.ShapeDtypeStruct(gemm.d_shape(), out_dtype))
+  call = jax.ffi.ffi_call("cusparselt_spmm", jax.ShapeDtypeStruct(gemm.d_shape(), out_dtype),
+                          vmap_method="sequential")
   return call(a_compressed, b, **gemm.attrs(), a_dtype=_name(a_dtype))
