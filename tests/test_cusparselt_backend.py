@@ -18,7 +18,10 @@ import jaxlib
 import numpy as np
 import pytest
 
+from jax.extend import core as jax_core
+
 from s24jax import loop, sparse_ops, train
+from s24jax import state as state_lib
 from s24jax import model as model_lib
 from s24jax.kernels import masks
 from s24jax.kernels.cusparselt import library
@@ -288,3 +291,34 @@ def test_deviceless_h100_compile_has_the_custom_calls(tmp_path, monkeypatch):
   report = json.loads(out.read_text())
   assert report["cusparselt_custom_calls"] == 2 * 2 * 6
   assert report["collectives"]["all-gather"] == 0
+
+
+def _compress_sites(jaxpr, in_loop=False, out=None):
+  """(outside, inside) loop bodies: the stand-in's compressions (bitcasts to uint8)."""
+  out = out if out is not None else [0, 0]
+  for eqn in jaxpr.eqns:
+    if (eqn.primitive.name == "bitcast_convert_type"
+        and eqn.params.get("new_dtype") == jnp.uint8):
+      out[int(in_loop)] += 1
+    for sub in jax_core.jaxprs_in_params(eqn.params):
+      _compress_sites(sub, in_loop or eqn.primitive.name in ("scan", "while"), out)
+  return out
+
+
+def test_weights_are_compressed_once_per_step_not_per_micro_batch(data_cache):
+  """With 4 accumulation micro-batches, W~ is compressed before the accumulation loop (for
+  the forward and the transposable dX: 2 per sparse layer), and inside it only the MVUE
+  estimate of each micro-batch's dY (1 per layer)."""
+  cfg = tiny_config("t_sr_ste", steps=1, workdir_cache=data_cache, batch_size=8,
+                    sparsity__backend="cusparselt", sparsity__mvue=True)
+  _, model_cfg, tx_fn = loop.build(cfg)
+  model = model_lib.GPT2(model_cfg)
+  state = train.fresh_state(model, tx_fn, 0)
+  tok = jnp.zeros((8, 16), jnp.int32)
+  with cusparselt.standin():
+    jaxpr = jax.make_jaxpr(lambda s, b: train.train_step.__wrapped__(
+        s, b, model=model, tx=tx_fn(state.params, state.sparsity), accum_steps=4))(
+            state, {"inputs": tok, "targets": tok})
+  layers = len(state_lib.sparse_layer_paths(state.sparsity))
+  outside, inside = _compress_sites(jaxpr.jaxpr)
+  assert layers == 2 and (outside, inside) == (2 * layers, layers), (layers, outside, inside)
