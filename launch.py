@@ -20,7 +20,8 @@ On CPU hosts the processes talk through gloo (JAX's CPU collectives).
 Exit codes (README, "Resuming"):
   0   trained to total_steps (or to --config.stop_at_step)
   1   stopped by an error: a non-finite loss, a checkpoint that cannot be saved (a full
-      disk) or read, a checkpoint that does not match the config; or a bad command line
+      disk) or read, a checkpoint that does not match the config, a backend that cannot run
+      here (e.g. cusparselt off an A100/H100, or without its wheels); or a bad command line
   3   another run holds the workdir (its lock names it); nothing was written
   75  stopped by SIGTERM or SIGINT after saving the checkpoint of the step it was on:
       re-run the same command (requeue the job) to resume
@@ -41,6 +42,8 @@ from s24jax import loop
 from s24jax import preemption
 from s24jax import workdir as workdir_lib
 from s24jax.kernels import aot
+from s24jax.kernels.cusparselt import library as cusparselt_library
+from s24jax.kernels.cusparselt import ops as cusparselt_ops
 
 _CONFIG = flags.DEFINE_string("config", None, "Experiment config file[:variant]; "
                               "--config.path.to.field=value overrides a field (repeatable).")
@@ -154,7 +157,8 @@ def _train(config, workdir: str, log_path: str, distributed: bool) -> int:
     logging.warning("%s (exit code %d)", e, preemption.EXIT_CODE)
     return preemption.EXIT_CODE
   except (loop.NonFiniteError, checkpoint.CheckpointSaveError,
-          checkpoint.NoReadableCheckpointError, checkpoint.CheckpointMismatchError) as e:
+          checkpoint.NoReadableCheckpointError, checkpoint.CheckpointMismatchError,
+          cusparselt_ops.UnsupportedDevice, cusparselt_library.Unavailable) as e:
     logging.error("%s", e)
     return 1
   logging.info("done at step %s: train loss %.4f, val loss %.4f (unigram entropy %.3f)",

@@ -107,13 +107,13 @@ def test_backend_dispatch():
 
 
 def test_backend_errors_name_the_problem():
-  with pytest.raises(ValueError, match="sparsity.backend 'cusparselt'; valid: xla, pallas, "
-                                       "pallas_always"):
-    SparsityConfig(backend="cusparselt")
+  with pytest.raises(ValueError, match="sparsity.backend 'cuSPARSELt'; valid: xla, pallas, "
+                                       "pallas_always, tcgen05, cusparselt"):
+    SparsityConfig(backend="cuSPARSELt")
   x, w = _normal(0, (4, 6)), _normal(1, (8, 6))                      # in = 6: not 2:4-able
   with pytest.raises(ValueError, match="in_features, here 6"):
     sparse_ops.sparse_linear(x, w, backend="pallas_always")
-  with pytest.raises(ValueError, match="fp8 needs sparsity.backend='xla'"):
+  with pytest.raises(ValueError, match="fp8 needs sparsity.backend='xla' or 'cusparselt'"):
     sparse_ops.sparse_linear(x[:, :4], w[:, :4], backend="pallas_always", fp8=True)
 
 

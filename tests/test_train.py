@@ -64,6 +64,11 @@ def test_stop_and_resume_gives_identical_losses(uninterrupted, tmp_path, data_ca
   loop.train_and_evaluate(tiny_config("s_ste", steps=6, workdir_cache=data_cache), workdir)
   # step 3 was computed twice (after the kill the run resumes from the step-2 checkpoint)
   assert _losses(workdir) == _losses(uninterrupted[0])
+  # The resumed run changed one field: its config names it (s24jax/workdir.py).
+  with open(os.path.join(workdir, "config.resumed_at_2.json")) as f:
+    resumed = json.load(f)
+  assert resumed["changed"] == {"stop_at_step": {"was": 3, "now": -1}}
+  assert resumed["config"]["total_steps"] == 6
 
 
 def _tree_digest(path):
