@@ -33,6 +33,7 @@
 #include <string>
 #include <string_view>
 #include <tuple>
+#include <utility>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -52,15 +53,6 @@ std::string Status(const char* call, cusparseStatus_t status) {
     cusparseStatus_t s24_status = (call);                           \
     if (s24_status != CUSPARSE_STATUS_SUCCESS)                      \
       return ffi::Error::Internal(Status(#call, s24_status));       \
-  } while (0)
-
-#define S24_CUDA(call)                                                               \
-  do {                                                                               \
-    cudaError_t s24_err = (call);                                                    \
-    if (s24_err != cudaSuccess)                                                      \
-      return ffi::Error::Internal(std::string("CUDA: ") + #call + " failed: " +      \
-                                  cudaGetErrorName(s24_err) + ": " +                 \
-                                  cudaGetErrorString(s24_err));                      \
   } while (0)
 
 ffi::ErrorOr<cudaDataType> CudaType(ffi::DataType t) {
@@ -90,6 +82,7 @@ struct Key {
 };
 
 struct Plan {
+  cusparseLtHandle_t* handle = nullptr;   // the device's (owned by `handles`)
   cusparseLtMatDescriptor_t a, b, d;
   cusparseLtMatmulDescriptor_t matmul;
   cusparseLtMatmulAlgSelection_t alg;
@@ -126,6 +119,7 @@ ffi::ErrorOr<Plan*> GetPlan(const Key& key, cudaStream_t stream,
   if (h.has_error()) return ffi::Unexpected(h.error());
   cusparseLtHandle_t* handle = *h;
   auto p = std::make_unique<Plan>();
+  p->handle = handle;
   // Column-major descriptions: stored A is op(A) (m x k) or its transpose (k x m).
   int64_t a_rows = key.trans_a ? key.k : key.m, a_cols = key.trans_a ? key.m : key.k;
   int64_t b_rows = key.trans_b ? key.n : key.k, b_cols = key.trans_b ? key.k : key.n;
@@ -213,21 +207,36 @@ ffi::ErrorOr<Key> MakeKey(int device, int64_t m, int64_t n, int64_t k, ffi::Data
   return Key{device, m, n, k, int(*at), int(*bt), int(*dt), trans_a, trans_b, d_row_major};
 }
 
+// The dtype attributes' names (ops.py: _DTYPE_NAMES) -> XLA's element types.
+ffi::DataType TypeNamed(std::string_view name) {
+  if (name == "bf16") return ffi::DataType::BF16;
+  if (name == "f16") return ffi::DataType::F16;
+  if (name == "e4m3") return ffi::DataType::F8E4M3FN;
+  if (name == "e5m2") return ffi::DataType::F8E5M2;
+  return ffi::DataType::F32;
+}
+
+// The plan of a GEMM (made on first use), on `device`. Plans are never freed, so the pointer
+// stays valid after the lock is released.
+ffi::ErrorOr<Plan*> PlanFor(const ffi::ErrorOr<Key>& key, int32_t device, cudaStream_t stream,
+                            ffi::ScratchAllocator& scratch) {
+  if (key.has_error()) return ffi::Unexpected(key.error());
+  std::lock_guard<std::mutex> lock(mu);
+  cudaError_t err = cudaSetDevice(device);
+  if (err != cudaSuccess)
+    return ffi::Unexpected(ffi::Error::Internal(std::string("CUDA: cudaSetDevice failed: ") +
+                                                cudaGetErrorName(err) + ": " +
+                                                cudaGetErrorString(err)));
+  return GetPlan(*key, stream, scratch);
+}
+
 ffi::Error Compress(cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t device,
                     ffi::AnyBuffer dense, ffi::Result<ffi::AnyBuffer> compressed, int64_t m,
                     int64_t n, int64_t k, bool trans_a, bool trans_b, bool d_row_major,
                     std::string_view b_dtype, std::string_view d_dtype) {
-  auto b = b_dtype == "bf16" ? ffi::DataType::BF16 : b_dtype == "f16" ? ffi::DataType::F16
-         : b_dtype == "e4m3" ? ffi::DataType::F8E4M3FN : b_dtype == "e5m2"
-         ? ffi::DataType::F8E5M2 : ffi::DataType::F32;
-  auto d = d_dtype == "bf16" ? ffi::DataType::BF16 : d_dtype == "f16" ? ffi::DataType::F16
-                                                                      : ffi::DataType::F32;
-  auto key = MakeKey(device, m, n, k, dense.element_type(), b, d, trans_a, trans_b,
-                     d_row_major);
-  if (key.has_error()) return key.error();
-  std::lock_guard<std::mutex> lock(mu);
-  S24_CUDA(cudaSetDevice(device));
-  auto plan = GetPlan(*key, stream, scratch);
+  auto plan = PlanFor(MakeKey(device, m, n, k, dense.element_type(), TypeNamed(b_dtype),
+                             TypeNamed(d_dtype), trans_a, trans_b, d_row_major),
+                     device, stream, scratch);
   if (plan.has_error()) return plan.error();
   Plan* p = *plan;
   if (p->compressed > compressed->size_bytes()) {
@@ -239,7 +248,7 @@ ffi::Error Compress(cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t 
   void* buffer = Scratch(scratch, p->compress_buffer);
   if (p->compress_buffer && !buffer)
     return ffi::Error::Internal("cuSPARSELt: no scratch for the compression buffer");
-  S24_CUSPARSELT(cusparseLtSpMMACompress(handles[device].get(), &p->plan, dense.untyped_data(),
+  S24_CUSPARSELT(cusparseLtSpMMACompress(p->handle, &p->plan, dense.untyped_data(),
                                          compressed->untyped_data(), buffer, stream));
   return ffi::Error::Success();
 }
@@ -248,22 +257,16 @@ ffi::Error Spmm(cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t devi
                 ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer> d, int64_t m,
                 int64_t n, int64_t k, bool trans_a, bool trans_b, bool d_row_major,
                 std::string_view a_dtype) {
-  auto at = a_dtype == "bf16" ? ffi::DataType::BF16 : a_dtype == "f16" ? ffi::DataType::F16
-          : a_dtype == "e4m3" ? ffi::DataType::F8E4M3FN : a_dtype == "e5m2"
-          ? ffi::DataType::F8E5M2 : ffi::DataType::F32;
-  auto key = MakeKey(device, m, n, k, at, b.element_type(), d->element_type(), trans_a,
-                     trans_b, d_row_major);
-  if (key.has_error()) return key.error();
-  std::lock_guard<std::mutex> lock(mu);
-  S24_CUDA(cudaSetDevice(device));
-  auto plan = GetPlan(*key, stream, scratch);
+  auto plan = PlanFor(MakeKey(device, m, n, k, TypeNamed(a_dtype), b.element_type(),
+                             d->element_type(), trans_a, trans_b, d_row_major),
+                     device, stream, scratch);
   if (plan.has_error()) return plan.error();
   Plan* p = *plan;
   void* workspace = Scratch(scratch, p->workspace);
   if (p->workspace && !workspace)
     return ffi::Error::Internal("cuSPARSELt: no scratch for the matmul workspace");
   float alpha = 1.0f, beta = 0.0f;
-  S24_CUSPARSELT(cusparseLtMatmul(handles[device].get(), &p->plan, &alpha, a.untyped_data(),
+  S24_CUSPARSELT(cusparseLtMatmul(p->handle, &p->plan, &alpha, a.untyped_data(),
                                   b.untyped_data(), &beta, d->untyped_data(),
                                   d->untyped_data(), workspace, &stream, 1));
   return ffi::Error::Success();
@@ -271,36 +274,33 @@ ffi::Error Spmm(cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t devi
 
 }  // namespace
 
+// Both handlers' context: XLA's stream, its scratch allocator, the device.
+auto WithContext() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Ctx<ffi::ScratchAllocator>()
+      .Ctx<ffi::DeviceOrdinal>();
+}
+
+// The GEMM's attributes, shared by both handlers (the same plan key).
+template <typename Binding>
+auto GemmAttrs(Binding binding) {
+  return std::move(binding)
+      .template Attr<int64_t>("m")
+      .template Attr<int64_t>("n")
+      .template Attr<int64_t>("k")
+      .template Attr<bool>("trans_a")
+      .template Attr<bool>("trans_b")
+      .template Attr<bool>("d_row_major");
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     CusparseltCompress, Compress,
-    ffi::Ffi::Bind()
-        .Ctx<ffi::PlatformStream<cudaStream_t>>()
-        .Ctx<ffi::ScratchAllocator>()
-        .Ctx<ffi::DeviceOrdinal>()
-        .Arg<ffi::AnyBuffer>()
-        .Ret<ffi::AnyBuffer>()
-        .Attr<int64_t>("m")
-        .Attr<int64_t>("n")
-        .Attr<int64_t>("k")
-        .Attr<bool>("trans_a")
-        .Attr<bool>("trans_b")
-        .Attr<bool>("d_row_major")
+    GemmAttrs(WithContext().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>())
         .Attr<std::string_view>("b_dtype")
         .Attr<std::string_view>("d_dtype"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     CusparseltSpmm, Spmm,
-    ffi::Ffi::Bind()
-        .Ctx<ffi::PlatformStream<cudaStream_t>>()
-        .Ctx<ffi::ScratchAllocator>()
-        .Ctx<ffi::DeviceOrdinal>()
-        .Arg<ffi::AnyBuffer>()
-        .Arg<ffi::AnyBuffer>()
-        .Ret<ffi::AnyBuffer>()
-        .Attr<int64_t>("m")
-        .Attr<int64_t>("n")
-        .Attr<int64_t>("k")
-        .Attr<bool>("trans_a")
-        .Attr<bool>("trans_b")
-        .Attr<bool>("d_row_major")
+    GemmAttrs(WithContext().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>())
         .Attr<std::string_view>("a_dtype"));
