@@ -224,7 +224,7 @@ def prepare(model_cfg, params: Any, sparsity: Any, *, tokens: int, dtype) -> Any
                                 transposable=sp.method.transposable)
   out = flax.core.unfreeze(jax.tree.map(lambda x: x, sparsity))
   for path in state_lib.sparse_layer_paths(sparsity):
-    if path[-1] == state_lib.HEAD or path == (state_lib.HEAD,):
+    if path == (state_lib.HEAD,):
       continue
     layer = state_lib.get_path(out, path)
     kernel = state_lib.get_path(params, path)["kernel"]

@@ -293,25 +293,18 @@ def _cslt_scale(x: jax.Array, fmt, opts: GemmOptions) -> jax.Array:
   return fp8_lib.scale_from_amax(amax, fmt)
 
 
-def _cslt_operands(a: jax.Array, b: jax.Array, opts: GemmOptions, a_format, b_format):
-  """The two operands in the GEMM's dtype (FP8: quantized, with their per-tensor scales;
-  under shard_map the amax of the whole tensor, so every device uses one scale)."""
-  if not opts.fp8:
-    return a, b, None
-
-  qa, sa = fp8_lib.quantize(a, a_format, _cslt_scale(a, a_format, opts))
-  qb, sb = fp8_lib.quantize(b, b_format, _cslt_scale(b, b_format, opts))
-  return qa, qb, (1.0 / sa) * (1.0 / sb)   # as fp8.scaled_dot_general: no sa * sb overflow
-
-
 def _cslt_gemm(a: jax.Array, b: jax.Array, gemm: cusparselt.Gemm, opts: GemmOptions,
                a_format=fp8_lib.E4M3, b_format=fp8_lib.E4M3) -> jax.Array:
-  """D array (gemm.d_shape()) float32 of the sparse A array times the B array."""
-  qa, qb, dq = _cslt_operands(a, b, opts, a_format, b_format)
+  """D array (gemm.d_shape()) float32 of the sparse A array times the B array: A compressed
+  here (FP8: quantized first), then `_cslt_prepared_gemm`."""
+  if opts.fp8:
+    qa, sa = fp8_lib.quantize(a, a_format, _cslt_scale(a, a_format, opts))
+  else:
+    qa, sa = a, None
+  b_dtype = b_format if opts.fp8 else b.dtype
   out = jnp.float32 if opts.fp8 else b.dtype
-  d = cusparselt.spmm(cusparselt.compress(qa, gemm, b_dtype=qb.dtype, d_dtype=out), qb, gemm,
-                      a_dtype=qa.dtype, out_dtype=out).astype(jnp.float32)
-  return d if dq is None else d * dq
+  compressed = cusparselt.compress(qa, gemm, b_dtype=b_dtype, d_dtype=out)
+  return _cslt_prepared_gemm(compressed, qa.dtype, sa, b, gemm, opts, b_format)
 
 
 def _cslt_prepared_gemm(compressed: jax.Array, a_dtype, a_scale, b: jax.Array,
