@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 from absl import logging
+from flax import traverse_util
 from ml_collections import config_dict
 
 LOCK_NAME = "run.lock"
@@ -115,17 +116,6 @@ class WorkdirLock:
 # The resolved config.
 
 
-def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
-  out = {}
-  for k, v in tree.items():
-    key = f"{prefix}{k}"
-    if isinstance(v, dict):
-      out.update(_flat(v, key + "."))
-    else:
-      out[key] = v
-  return out
-
-
 def _as_json(config: config_dict.ConfigDict) -> dict[str, Any]:
   return json.loads(config.to_json_best_effort(sort_keys=True))
 
@@ -133,7 +123,8 @@ def _as_json(config: config_dict.ConfigDict) -> dict[str, Any]:
 def changed_fields(old: dict[str, Any], new: dict[str, Any]) -> dict[str, dict[str, Any]]:
   """{dotted field: {'was': old value, 'now': new value}} for every field that differs
   (absent on one side: None)."""
-  a, b = _flat(old), _flat(new)
+  a = traverse_util.flatten_dict(old, sep=".")
+  b = traverse_util.flatten_dict(new, sep=".")
   return {k: {"was": a.get(k), "now": b.get(k)} for k in sorted(set(a) | set(b))
           if a.get(k) != b.get(k)}
 

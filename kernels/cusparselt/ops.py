@@ -91,10 +91,6 @@ def standin():
     _STANDIN = old
 
 
-def using_standin() -> bool:
-  return _STANDIN
-
-
 def check_device(*, fp8: bool = False) -> None:
   """Raises UnsupportedDevice unless the target is an NVIDIA GPU of compute capability 8.0+
   (9.0+ for FP8 operands; the default device: a compile-only GPU in a deviceless compile,
