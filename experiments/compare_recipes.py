@@ -1,78 +1,152 @@
-"""Every 2:4 recipe against dense at equal steps, over seeds and two corpora (tiny GPT-2).
+"""Every 2:4 recipe against its dense baseline at equal steps, over seeds and corpora.
 
-  python experiments/compare_recipes.py [--root runs/recipes] [--seeds 0,1,2]
-      [--corpus shakespeare,pystdlib] [--only dense,s_ste,...]
+  python experiments/compare_recipes.py --jobs 2            # the README's tables (small)
+  python experiments/compare_recipes.py --only dense,s_ste --seeds 0,1,2 \\
+      --corpus shakespeare,mine=/path/to/txt_folder          # your own corpus: a .txt folder
 
-Runs each recipe's tiny variant (600 steps) once per seed (`config.seed`: init, batch order,
-MVUE draws) on the embedded corpus and on the Python standard library's source
-(experiments/pystdlib_corpus.py; never used for tuning), each in its own workdir under
---root (finished runs are reused), and prints per corpus: final val loss as mean ± sd over
-the seeds, and the gap to dense as mean ± sd of the per-seed relative gaps (relu2 recipes
-also against relu2 dense). Extra columns for the decisions of issue 12: the train-loss jump
-at the switch to dense fine-tuning (first dense log minus last sparse log) and MVUE's
-measured share of the forward/backward time.
+Runs each recipe's `--variant` (default `small`: 4 layers, width 128, UTF-8 bytes; the FFN is
+59% of the training FLOPs) once per seed (`config.seed`: init, batch order, MVUE draws), each
+through `launch.py` in its own workdir under --root (finished runs are reused, so the script
+can be stopped and re-run), `--jobs` at a time, each job pinned to its own CPU core (one XLA
+thread: two jobs use two cores better than one job with two threads). Corpora: the embedded
+Shakespeare, the Python standard library's source (experiments/pystdlib_corpus.py; never used
+for tuning), or NAME=FOLDER (a folder of .txt files, one document per file). The ablations run
+on the first corpus only.
 
-Runs:
-  dense, relu2_dense             the baselines (GELU; Squared-ReLU for the V:N:M recipe)
-  ste, sr_ste                    hard threshold; + masked decay (experiments/gpt2_sr_ste.py)
-  s_ste                          the S-STE recipe as configured (experiments/gpt2_s_ste.py)
-  s_ste_no_mvue                  ... with the exact weight gradient
-  hu2024                         the Hu et al. recipe as configured (gpt2_t_sr_ste_df.py)
-  hu2024_refresh40               ... with the paper's fixed 40-step mask refresh
-  hu2024_projected               ... with dense fine-tuning from W~ instead of the latent W
-  hu2024_no_mvue                 ... with the exact weight gradient
-  venom                          Haziza et al. (experiments/gpt2_venom.py)
-Measured tables: README ("Tiny comparisons over seeds").
+The table (printed, and written to --root/table.md) gives per corpus and recipe the final
+val loss (mean ± sd over seeds) and the gap to the recipe's baseline as mean ± sd of the
+per-seed relative gaps (run and baseline share the seed: init, batches and data order), plus
+the train-loss jump at the switch to dense fine-tuning, MVUE's measured share of the step time,
+and the minutes per run on one core. Measured tables: README, "Results on the small config".
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import subprocess
+import sys
+import time
 
 import numpy as np
 
 from s24jax import config_files
 from s24jax import metrics as metrics_lib
+from s24jax import phases
 from s24jax.methods import base as methods_base
 
 import pystdlib_corpus  # pylint: disable=wrong-import-order  (experiments/, beside this file)
 
-T = "experiments/gpt2_{}.py:tiny"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# name -> (experiment file stem, overrides). The recipes run on every corpus.
 RECIPES = {
-    "dense": (T.format("dense"), {}),
-    "relu2_dense": (T.format("relu2_dense"), {"act_sparsity.stats_sequences": 0}),
-    "ste": (T.format("ste"), {}),
-    "sr_ste": (T.format("sr_ste"), {}),
-    "s_ste": (T.format("s_ste"), {}),
-    "s_ste_no_mvue": (T.format("s_ste"), {"sparsity.mvue": False}),
-    "hu2024": (T.format("t_sr_ste_df"), {}),
-    "hu2024_refresh40": (T.format("t_sr_ste_df"), {"sparsity.t_sr_ste.mask_refresh_drift": 0.0}),
-    "hu2024_projected": (T.format("t_sr_ste_df"), {"sparsity.dense_finetune_init": "projected"}),
-    "hu2024_no_mvue": (T.format("t_sr_ste_df"), {"sparsity.mvue": False}),
-    "venom": (T.format("venom"), {"act_sparsity.stats_sequences": 0}),
+    "dense": ("dense", {}),
+    "ste": ("ste", {}),
+    "sr_ste": ("sr_ste", {}),
+    "s_ste": ("s_ste", {}),
+    "hu2024": ("t_sr_ste_df", {}),
+    "relu2_dense": ("relu2_dense", {"act_sparsity.stats_sequences": 0}),
+    "venom": ("venom", {"act_sparsity.stats_sequences": 0}),
 }
+# Ablations and follow-ups: the first corpus only.
+ABLATIONS = {
+    "sr_ste_weights": ("sr_ste", {"sparsity.sr_ste.decay_placement": "weights"}),
+    "s_ste_no_mvue": ("s_ste", {"sparsity.mvue": False}),
+    "s_ste_no_fp8": ("s_ste", {"sparsity.fp8": False}),
+    "s_ste_e5m2_bwd": ("s_ste", {"sparsity.fp8_backward_operands": "e5m2"}),
+    "mst": ("mst", {}),
+    "mst_head_dense": ("mst", {"sparsity.sparse_layers": ("*/attn/*", "*/mlp/*")}),
+    "hu2024_auto": ("t_sr_ste_df", {"sparsity.t_sr_ste.decay": 0.0,
+                                    "sparsity.t_sr_ste.decay_auto": True}),
+}
+RUNS = {**RECIPES, **ABLATIONS}
 BASELINE = {"relu2_dense": None, "venom": "relu2_dense"}   # default: against 'dense'
+EMBEDDED = "shakespeare"
 
 
-def run_one(name: str, seed: int, corpus: str, root: str, corpus_dir: str) -> str:
-  spec, overrides = RECIPES[name]
-  workdir = os.path.join(root, corpus, f"{name}_seed{seed}")
-  if not os.path.exists(os.path.join(workdir, "final_metrics.json")):
-    from s24jax import loop   # pylint: disable=g-import-not-at-top
-    data = {} if corpus == "shakespeare" else {"data.path": corpus_dir, "data.name": "text_folder"}
-    config = config_files.load_config(spec, {**overrides, **data, "seed": seed})
-    print(f"== {corpus} {name} seed {seed}", flush=True)
-    loop.train_and_evaluate(config, workdir)
-  return workdir
+def corpus_overrides(corpus: str, root: str) -> tuple[str, dict]:
+  """(label, config.data overrides) of 'shakespeare', 'pystdlib' or 'NAME=FOLDER'."""
+  if corpus == EMBEDDED:
+    return corpus, {}
+  if corpus == "pystdlib":
+    folder = pystdlib_corpus.prepare(os.path.join(root, "corpora", "pystdlib"))
+    return corpus, {"data.name": "text_folder", "data.path": os.path.abspath(folder)}
+  name, sep, folder = corpus.partition("=")
+  if not sep or not os.path.isdir(folder):
+    raise SystemExit(f"unknown corpus {corpus!r}: give 'shakespeare', 'pystdlib' or "
+                     "NAME=FOLDER (a folder of .txt files)")
+  return name, {"data.name": "text_folder", "data.path": os.path.abspath(folder)}
 
 
-def summary(workdir: str, spec: str, overrides: dict) -> dict[str, float]:
+def run_config(name: str, variant: str) -> tuple[str, dict]:
+  stem, overrides = RUNS[name]
+  return f"experiments/gpt2_{stem}.py:{variant}", overrides
+
+
+def workdir_of(root: str, corpus: str, name: str, seed: int) -> str:
+  return os.path.join(root, corpus, f"{name}_seed{seed}")
+
+
+def finished(workdir: str) -> bool:
+  return os.path.exists(os.path.join(workdir, "final_metrics.json"))
+
+
+def _flag(key: str, value) -> str:
+  if isinstance(value, tuple):
+    value = "(" + ",".join(repr(v) for v in value) + ",)"
+  return f"--config.{key}={value}"
+
+
+def launch_command(name: str, seed: int, variant: str, data: dict, workdir: str) -> list[str]:
+  spec, overrides = run_config(name, variant)
+  flags = [_flag(k, v) for k, v in {**overrides, **data, "seed": seed}.items()]
+  return [sys.executable, os.path.join(ROOT, "launch.py"), "--config", spec,
+          "--workdir", workdir, *flags]
+
+
+def run_all(jobs: list[tuple[list[str], str]], parallel: int) -> None:
+  """Runs the launch commands, `parallel` at a time, job i pinned to core i % cores."""
+  cores = sorted(os.sched_getaffinity(0))
+  free = list(range(min(parallel, len(cores))))
+  running: list[tuple[subprocess.Popen, int, str, float]] = []
+  pending = list(jobs)
+  while pending or running:
+    while pending and free:
+      cmd, workdir = pending.pop(0)
+      slot = free.pop(0)
+      os.makedirs(workdir, exist_ok=True)
+      log = open(os.path.join(workdir, "launch.out"), "w", encoding="utf-8")  # pylint: disable=consider-using-with
+      core = cores[slot % len(cores)]
+      proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                              preexec_fn=lambda c=core: os.sched_setaffinity(0, {c}))
+      print(f"[core {core}] {workdir}", flush=True)
+      running.append((proc, slot, workdir, time.time()))
+    time.sleep(2)
+    for item in list(running):
+      proc, slot, workdir, start = item
+      if proc.poll() is None:
+        continue
+      running.remove(item)
+      free.append(slot)
+      minutes = (time.time() - start) / 60
+      status = "done" if proc.returncode == 0 else f"FAILED (exit {proc.returncode})"
+      print(f"{status} in {minutes:.1f} min: {workdir}", flush=True)
+      if proc.returncode == 0:
+        with open(os.path.join(workdir, "wall_minutes.txt"), "w", encoding="utf-8") as f:
+          f.write(f"{minutes:.2f}\n")
+
+
+def summary(workdir: str, name: str, variant: str) -> dict[str, float]:
   with open(os.path.join(workdir, "final_metrics.json"), encoding="utf-8") as f:
     final = json.load(f)
   out = {"val": final["val/loss"], "mvue_share": final.get("perf/mvue_time_share")}
+  wall = os.path.join(workdir, "wall_minutes.txt")
+  if os.path.exists(wall):
+    with open(wall, encoding="utf-8") as f:
+      out["minutes"] = float(f.read())
+  spec, overrides = run_config(name, variant)
   cfg = config_files.load_config(spec, overrides)
-  start = methods_base.dense_finetune_start(cfg)
+  start = phases.dense_finetune_start(methods_base.RunFacts.from_config(cfg))
   if start < cfg.total_steps:   # the train-loss jump at the switch to dense fine-tuning
     steps, loss = metrics_lib.series(metrics_lib.read_jsonl(
         os.path.join(workdir, "metrics.jsonl")), "train/loss")
@@ -81,7 +155,7 @@ def summary(workdir: str, spec: str, overrides: dict) -> dict[str, float]:
   return out
 
 
-def _pm(xs, fmt="{:.3f}") -> str:
+def mean_sd(xs, fmt="{:.3f}") -> str:
   xs = [x for x in xs if x is not None]
   if not xs:
     return "-"
@@ -90,52 +164,77 @@ def _pm(xs, fmt="{:.3f}") -> str:
   return fmt.format(np.mean(xs)) + " ± " + fmt.replace("+", "").format(np.std(xs, ddof=1))
 
 
-def table(root: str, corpus: str, names, seeds) -> str:
+def paired_gaps(rows: dict, name: str, base: str) -> list[float]:
+  """100 (val / baseline val - 1) per seed both finished."""
+  return [100 * (r["val"] / rows[base][s]["val"] - 1) for s, r in rows[name].items()
+          if s in rows.get(base, {})]
+
+
+def table(root: str, corpus: str, names, seeds, variant: str) -> str:
   """Mean ± sd over the finished seeds of each run (the n column says how many)."""
-  def finished(n, s):
-    return os.path.exists(os.path.join(root, corpus, f"{n}_seed{s}", "final_metrics.json"))
-  rows = {n: {s: summary(os.path.join(root, corpus, f"{n}_seed{s}"), *RECIPES[n])
-              for s in seeds if finished(n, s)} for n in names}
-  lines = [f"**{corpus}**", "",
-           "| run | n | val loss | vs baseline (paired by seed) | baseline | "
-           "jump at dense switch | MVUE time share |",
-           "|---|---|---|---|---|---|---|"]
+  rows = {n: {s: summary(workdir_of(root, corpus, n, s), n, variant)
+              for s in seeds if finished(workdir_of(root, corpus, n, s))} for n in names}
+  lines = [f"**{corpus}** ({variant})", "",
+           "| run | n | val loss | gap to baseline (paired by seed) | baseline | "
+           "jump at dense switch | MVUE time share | min/run (1 core) |",
+           "|---|---|---|---|---|---|---|---|"]
   for n in names:
     if not rows[n]:
       continue
     base = BASELINE.get(n, "dense")
     gap = "-"
-    if base and base in rows and base != n:
-      gaps = [100 * (r["val"] / rows[base][s]["val"] - 1) for s, r in rows[n].items()
-              if s in rows[base]]
-      gap = _pm(gaps, "{:+.2f}") + " %" if gaps else "-"
+    if base and base != n:
+      gaps = paired_gaps(rows, n, base)
+      gap = mean_sd(gaps, "{:+.2f}") + " %" if gaps else "-"
+    elif n == "dense" or base is None:   # a baseline: its own spread over seeds
+      vals = [r["val"] for r in rows[n].values()]
+      if len(vals) > 1:
+        gap = f"(sd {100 * np.std(vals, ddof=1) / np.mean(vals):.2f} % of the mean)"
     vals = list(rows[n].values())
-    lines.append(f"| {n} | {len(vals)} | {_pm([r['val'] for r in vals])} | {gap} | "
-                 f"{base or '-'} | {_pm([r.get('jump') for r in vals])} | "
-                 f"{_pm([r.get('mvue_share') for r in vals], '{:.2f}')} |")
+    lines.append(f"| {n} | {len(vals)} | {mean_sd([r['val'] for r in vals])} | {gap} | "
+                 f"{base or '-'} | {mean_sd([r.get('jump') for r in vals])} | "
+                 f"{mean_sd([r.get('mvue_share') for r in vals], '{:.2f}')} | "
+                 f"{mean_sd([r.get('minutes') for r in vals], '{:.1f}')} |")
   return "\n".join(lines)
 
 
 def main(argv=None) -> None:
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p = argparse.ArgumentParser(description=__doc__.split("\n", maxsplit=1)[0])
   p.add_argument("--root", default="runs/recipes")
+  p.add_argument("--variant", default="small")
   p.add_argument("--seeds", default="0,1,2")
   p.add_argument("--corpus", default="shakespeare,pystdlib")
-  p.add_argument("--only", default="")
+  p.add_argument("--only", default="", help=f"runs (default: the recipes); valid: "
+                 f"{', '.join(RUNS)}")
+  p.add_argument("--ablations", action="store_true", help="also the ablations (first corpus)")
+  p.add_argument("--jobs", type=int, default=1, help="runs at a time, one core each")
+  p.add_argument("--table_only", action="store_true", help="no training: tables of what ran")
   args = p.parse_args(argv)
   seeds = [int(s) for s in args.seeds.split(",")]
   names = args.only.split(",") if args.only else list(RECIPES)
-  unknown = sorted(set(names) - set(RECIPES))
+  unknown = sorted(set(names) - set(RUNS))
   if unknown:
-    raise SystemExit(f"unknown runs {unknown}; valid: {', '.join(RECIPES)}")
-  corpus_dir = pystdlib_corpus.prepare(os.path.join(args.root, "corpora", "pystdlib"))
-  out = []
-  for corpus in args.corpus.split(","):
-    for seed in seeds:          # seed-major: every recipe gets one seed before any gets three
-      for name in names:
-        run_one(name, seed, corpus, args.root, corpus_dir)
-    out.append(table(args.root, corpus, names, seeds))
-  text = "\n\n".join(out)
+    raise SystemExit(f"unknown runs {unknown}; valid: {', '.join(RUNS)}")
+  corpora = [corpus_overrides(c, args.root) for c in args.corpus.split(",")]
+  plan = {label: list(names) for label, _ in corpora}
+  if args.ablations:
+    plan[corpora[0][0]] += [n for n in ABLATIONS if n not in names]
+  jobs = []
+  # The baselines first (their spread over seeds says which gaps can be resolved), then the
+  # recipes seed-major (each gets one seed on every corpus before any gets two), then the
+  # ablations.
+  baselines = {n: RECIPES[n] for n in RECIPES if n in BASELINE.values() or n == "dense"}
+  groups = (baselines, {n: r for n, r in RECIPES.items() if n not in baselines}, ABLATIONS)
+  order = [(seed, label, data, name) for group in groups for seed in seeds
+           for label, data in corpora for name in plan[label] if name in group]
+  for seed, label, data, name in order:
+    workdir = workdir_of(args.root, label, name, seed)
+    if not finished(workdir):
+      jobs.append((launch_command(name, seed, args.variant, data, workdir), workdir))
+  if not args.table_only:
+    run_all(jobs, args.jobs)
+  text = "\n\n".join(table(args.root, label, plan[label], seeds, args.variant)
+                     for label, _ in corpora)
   print(text)
   with open(os.path.join(args.root, "table.md"), "w", encoding="utf-8") as f:
     f.write(text + "\n")

@@ -30,6 +30,7 @@ import numpy as np
 from s24jax import compare
 from s24jax import config_files
 from s24jax import metrics as metrics_lib
+from s24jax import phases
 from s24jax.methods import base as methods_base
 
 VENOM = "experiments/gpt2_venom.py:tiny"
@@ -50,7 +51,7 @@ def _extra_table(runs, root: str) -> str:
   for r in runs:
     records = metrics_lib.read_jsonl(os.path.join(root, r.name, "metrics.jsonl"))
     cfg = config_files.load_config(r.config, r.overrides)
-    dense_from = methods_base.dense_finetune_start(cfg)
+    dense_from = phases.dense_finetune_start(methods_base.RunFacts.from_config(cfg))
     _, zeros = metrics_lib.series(records, "act/zero_frac")
     _, kept = metrics_lib.series(records, "act/kept_l1")
     steps, val = metrics_lib.series(records, "val/loss")

@@ -23,7 +23,7 @@ update) and final_metrics.json with the run's training FLOPs against the dense r
 Measured: README, "Mixed Sparsity Training" (experiments/compare_mst.py and the 124m FLOP
 plan). 124m: the paper's setting (seq 1024, l=128).
 """
-from s24jax.config import apply_variant, base_config
+from s24jax.config import CPU_VARIANTS, apply_variant, base_config
 
 
 def get_config(variant=None):
@@ -34,7 +34,8 @@ def get_config(variant=None):
   config.sparsity.mst.sparse_attention = "strided"
   config = apply_variant(config, variant)
   config.model.scan_layers = False   # topology updates count weights per (unstacked) layer
-  if variant == "tiny":
-    config.model.attention_stride = 8       # seq_len 64: 8 strided keys per query at the end
-    config.sparsity.mst.update_every = 25   # 600 steps: 23 topology updates (25 .. 575)
+  if variant in CPU_VARIANTS:
+    # The paper's l = seq_len / 8 (128 of 1024); topology updates every 1/24 of the run.
+    config.model.attention_stride = config.model.seq_len // 8
+    config.sparsity.mst.update_every = config.total_steps // 24
   return config

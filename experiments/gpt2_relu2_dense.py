@@ -10,7 +10,7 @@ pre-activation), more at the end; a 2:8 V:N:M mask keeps most of their L1 magnit
 about half). Measured: README, "Activation sparsity". Variants: tiny, 124m (default), 350m,
 774m, 1558m.
 """
-from s24jax.config import apply_variant, base_config
+from s24jax.config import CPU_VARIANTS, apply_variant, base_config
 
 
 def get_config(variant=None):
@@ -18,5 +18,5 @@ def get_config(variant=None):
   config.model.activation = "relu2"
   config.sparsity.method = "dense"
   config = apply_variant(config, variant)
-  config.act_sparsity.stats_sequences = 16 if variant == "tiny" else 8
+  config.act_sparsity.stats_sequences = 16 if variant in CPU_VARIANTS else 8
   return config

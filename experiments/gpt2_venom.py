@@ -20,7 +20,7 @@ V:N:M-friendly (the kept L1 share rises). Measured: README, "Activation sparsity
 (experiments/compare_venom.py). On a GPU host --config.act_sparsity.backend=pallas selects and
 multiplies with kernels/venom.py (never run natively: no GPU in this project).
 """
-from s24jax.config import apply_variant, base_config
+from s24jax.config import CPU_VARIANTS, apply_variant, base_config
 
 
 def get_config(variant=None):
@@ -34,5 +34,5 @@ def get_config(variant=None):
   config.act_sparsity.m = 8
   config.sparsity.dense_finetune_fraction = 0.3   # 70% sparse, then dense
   config = apply_variant(config, variant)
-  config.act_sparsity.stats_sequences = 16 if variant == "tiny" else 8
+  config.act_sparsity.stats_sequences = 16 if variant in CPU_VARIANTS else 8
   return config

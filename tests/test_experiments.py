@@ -4,6 +4,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from s24jax import config_files
@@ -54,3 +55,22 @@ def test_builds_config_and_abstract_state(path, variant):
 def test_unknown_variant_lists_valid():
   with pytest.raises(ValueError, match="tiny.*124m.*1558m"):
     config_files.load_config(f"{FILES[0]}:125m")
+
+
+def test_compare_recipes_table_pairs_gaps_by_seed(tmp_path, monkeypatch):
+  """The README's table: per-seed relative gaps to the same seed's baseline, mean ± sd."""
+  monkeypatch.syspath_prepend(os.path.join(REPO, "experiments"))
+  import compare_recipes   # pylint: disable=g-import-not-at-top  (experiments/ is no package)
+  vals = {("dense", 0): 2.0, ("dense", 1): 2.2, ("ste", 0): 2.02, ("ste", 1): 2.2,
+          ("ste", 2): 9.0}                      # seed 2 has no baseline: not paired
+  for (name, seed), val in vals.items():
+    w = tmp_path / "c" / f"{name}_seed{seed}"
+    w.mkdir(parents=True)
+    (w / "final_metrics.json").write_text(f'{{"val/loss": {val}}}')
+  text = compare_recipes.table(str(tmp_path), "c", ["dense", "ste"], [0, 1, 2], "small")
+  gaps = [100 * (2.02 / 2.0 - 1), 0.0]           # +1 %, 0 %
+  want = f"{np.mean(gaps):+.2f} ± {np.std(gaps, ddof=1):.2f} %"
+  ste = next(line for line in text.splitlines() if line.startswith("| ste |"))
+  assert ste.startswith(f"| ste | 3 | {np.mean([2.02, 2.2, 9.0]):.3f}") and want in ste
+  dense = next(line for line in text.splitlines() if line.startswith("| dense |"))
+  assert f"sd {100 * np.std([2.0, 2.2], ddof=1) / 2.1:.2f} %" in dense

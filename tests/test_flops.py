@@ -160,3 +160,17 @@ def test_accountant_scalars():
   assert sc["flops/total"] == sc["flops/dense_total"] / 2 + sc["flops/step"]
   assert 0.5 < sc["flops/fraction_of_dense"] < 1.0
   assert np.isfinite(sc["flops/step"])
+
+
+def test_small_variant_ffn_is_most_of_the_training_flops():
+  """The test bed's point (issue 20): the 2:4 FFN layers are >= half of a step's FLOPs."""
+  from s24jax import config_files   # pylint: disable=g-import-not-at-top
+  config = config_files.load_config("experiments/gpt2_dense.py:small")
+  model_cfg, shapes, _ = flops.model_shapes(config)
+  step = flops.step_flops(model_cfg, shapes, {}, batch_size=config.batch_size,
+                          seq_len=config.model.seq_len, attention="causal")
+  ffn = sum(6.0 * o * i * config.batch_size * config.model.seq_len
+            for k, (o, i) in shapes.items() if "/mlp/" in k)
+  assert ffn / step.total > 0.55
+  tiny = config_files.load_config("experiments/gpt2_dense.py:tiny")
+  assert step.head / step.total < 0.06 and tiny.model.vocab_size > 100 * config.model.vocab_size

