@@ -16,6 +16,8 @@ Ablations:
                                             train/sparsity/scale per layer and its mean)
   --config.sparsity.mvue=False              exact weight gradient
   --config.sparsity.fp8=False               fp32 (or bf16) GEMMs
+  --config.sparsity.fp8_backward_operands=e5m2   W~ and x re-quantized to e5m2 in the
+                                            backward GEMMs (the S-STE reference code; 'xla')
 
 Expected (tiny, a few minutes on 2 free CPU cores): final val loss clearly below the unigram
 entropy of the embedded corpus, close to the dense baseline; the flip rate rises early then

@@ -18,8 +18,9 @@ The GEMM pattern (`fp8_dot_general`):
 On Ada/Hopper (sm_89+, CUDA 12+) XLA's GEMM rewriter turns a dot with float8 operands and a
 float32 result, times a scalar, into one cuBLASLt FP8 GEMM (`__cublas$lt$matmul$f8`) with
 fp32 accumulation and the scalar folded in (see XLA's gemm_rewriter_fp8_test.cc); cuBLASLt
-needs one e4m3 operand, so e4m3 x e4m3 and e5m2 x e4m3 qualify (e5m2 x e5m2 does not, and no
-GEMM here uses it). On older GPUs XLA upcasts the operands and runs an ordinary GEMM.
+needs one e4m3 operand, so e4m3 x e4m3 and e5m2 x e4m3 qualify (e5m2 x e5m2 does not: only
+sparsity.fp8_backward_operands='e5m2' uses it, and XLA should upcast that one). On older
+GPUs XLA upcasts the operands and runs an ordinary GEMM.
 On CPU, XLA upcasts the float8 operands to float32 and runs an fp32 GEMM. The product of two
 float8 numbers is exact in float32, so the CPU result is the quantize-dequantize simulation
 with the very same rounding of the operands: numerically faithful, only the order of fp32
@@ -29,6 +30,8 @@ additions differs. (Not yet checked on a GPU here: look for `__cublas$lt$matmul$
 `s24jax.sparse_ops` uses these helpers for its three GEMMs when `sparsity.fp8` is on:
 y = x W~^T (e4m3 x e4m3), dX = dY W~ (e5m2 x e4m3), dW = est(dY^T) x (e5m2 x e4m3). Quantizing
 is deterministic, so the backward GEMMs see exactly the x and W~ operands the forward saw.
+With sparsity.fp8_backward_operands='e5m2' (the S-STE reference code) the backward GEMMs
+re-quantize W~ and x to e5m2 instead: e5m2 x e5m2.
 """
 from __future__ import annotations
 

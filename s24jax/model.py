@@ -104,6 +104,7 @@ def model_config(config: ml_collections.ConfigDict,
   sparsity = SparsityConfig(method=method or registry.from_config(config),
                             sparse_layers=tuple(sp.sparse_layers), backend=sp.backend,
                             mvue=sp.mvue, fp8=sp.fp8,
+                            fp8_backward_operands=sp.fp8_backward_operands,
                             dense_finetune_init=sp.dense_finetune_init)
   act = {k: v for k, v in config.act_sparsity.items() if k != "stats_sequences"}
   return ModelConfig(**{k: (tuple(v) if isinstance(v, list) else v)

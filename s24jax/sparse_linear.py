@@ -45,6 +45,8 @@ class SparsityConfig:
   backend: str = "xla"      # the GEMMs: 'xla' (reference), 'pallas', 'pallas_always'
   mvue: bool = False        # weight gradient from the MVUE 2:4 estimate of dY^T
   fp8: bool = False         # FP8 GEMMs (s24jax/fp8.py)
+  # FP8 format of W~ and x in the backward GEMMs (sparse_ops.FP8_BACKWARD_OPERANDS).
+  fp8_backward_operands: str = "e4m3"
   # How dense fine-tuning starts (s24jax/phases.py: enter): 'latent' W or 'projected' W~.
   dense_finetune_init: str = "latent"
 
@@ -55,6 +57,10 @@ class SparsityConfig:
     if self.backend not in BACKENDS:
       raise ValueError(f"unknown sparsity.backend {self.backend!r}; valid: "
                        f"{', '.join(BACKENDS)}")
+    # Here too, not only in sparse_ops.GemmOptions: the error then comes when the run's
+    # config is read, not when the first step is traced.
+    sparse_ops.check_fp8_backward_operands(self.fp8_backward_operands, fp8=self.fp8,
+                                           backend=self.backend)
     if self.backend != "xla" and not self.method.structured_24:
       raise ValueError(f"sparsity.backend={self.backend!r} needs 2:4 weights; method "
                        f"{self.method.name!r} is unstructured: use sparsity.backend='xla'")
@@ -67,18 +73,21 @@ class SparsityConfig:
 
 def linear(x: jax.Array, w: jax.Array, *, backend: str = "xla", sparse: bool = False,
            key: jax.Array | None = None, mvue: bool = False, fp8: bool = False,
-           transposable: bool = False, prepared: dict | None = None) -> jax.Array:
+           fp8_backward_operands: str = "e4m3", transposable: bool = False,
+           prepared: dict | None = None) -> jax.Array:
   """y = x W^T for x (..., in) and W (out, in), in x's dtype with float32 accumulation.
 
   sparse=True: W is the 2:4 projected weight W~ and all three GEMMs go through
   `sparse_ops.sparse_linear` on `backend` (with the MVUE weight gradient if `mvue`, drawn
-  with `key`; FP8 GEMMs if `fp8`). sparse=False: a dense XLA matmul whatever the backend
+  with `key`; FP8 GEMMs if `fp8`, W~ and x in `fp8_backward_operands` in the backward
+  ones). sparse=False: a dense XLA matmul whatever the backend
   (sparse kernels cannot run a dense weight).
   """
   if backend not in BACKENDS:
     raise ValueError(f"unknown sparsity.backend {backend!r}; valid: {', '.join(BACKENDS)}")
   if sparse:
     return sparse_ops.sparse_linear(x, w, key, mvue=mvue, backend=backend, fp8=fp8,
+                                    fp8_backward_operands=fp8_backward_operands,
                                     transposable=transposable, prepared=prepared)
   return jnp.einsum("...i,oi->...o", x, w.astype(x.dtype),
                     preferred_element_type=jnp.float32).astype(x.dtype)
@@ -142,7 +151,8 @@ class SparseLinear(nn.Module):
       prepared = ({k: v for k, v in layer.items() if k in sparse_ops.PREPARED}
                   if sparse else None)
       y = linear(x.astype(self.dtype), w, backend=backend, sparse=sparse, key=key,
-                 mvue=sp.mvue, fp8=sp.fp8, transposable=sp.method.transposable,
+                 mvue=sp.mvue, fp8=sp.fp8, fp8_backward_operands=sp.fp8_backward_operands,
+                 transposable=sp.method.transposable,
                  prepared=prepared)                                      # (..., out)
     if self.use_bias:
       y = y + self.param("bias", nn.initializers.zeros, (self.features,)).astype(self.dtype)
@@ -206,7 +216,8 @@ class SparseEmbed(nn.Embed):
     def sparse_head(x, chunk=None):
       k = key if key is None or chunk is None else jax.random.fold_in(key, chunk)
       return linear(x.astype(self.dtype or x.dtype), table, backend=sp.backend, sparse=True,
-                    key=k, mvue=sp.mvue, fp8=sp.fp8)                     # (..., vocab)
+                    key=k, mvue=sp.mvue, fp8=sp.fp8,
+                    fp8_backward_operands=sp.fp8_backward_operands)      # (..., vocab)
     return sparse_head
 
 
@@ -221,6 +232,7 @@ def prepare(model_cfg, params: Any, sparsity: Any, *, tokens: int, dtype) -> Any
   if sp.backend != "cusparselt" or not sp.method.sparse or not sparsity:
     return sparsity
   opts = sparse_ops.GemmOptions(mvue=sp.mvue, backend=sp.backend, fp8=sp.fp8,
+                                fp8_backward_operands=sp.fp8_backward_operands,
                                 transposable=sp.method.transposable)
   out = flax.core.unfreeze(jax.tree.map(lambda x: x, sparsity))
   for path in state_lib.sparse_layer_paths(sparsity):

@@ -38,7 +38,8 @@ Backends (`sparsity.backend`, chosen per call in `uses_pallas_kernels`, the one 
   'cusparselt'     A100, H100 and newer: cuSPARSELt through the XLA FFI
                    (kernels/cusparselt/): forward, data gradient (transposable masks; dense
                    otherwise) and, with MVUE, the weight gradient on the 2:4 sparse tensor
-                   cores; FP8 (e4m3 / e5m2, per-tensor scales as in 'xla') with sparsity.fp8.
+                   cores; FP8 (e4m3 / e5m2, per-tensor scales as in 'xla') with sparsity.fp8
+                   (not sparsity.fp8_backward_operands='e5m2': no e5m2 x e5m2 FP8 GEMM).
                    Under a mesh each device runs its own shard (shard_map). Compiled for
                    A100 and H100 without a GPU; its CPU tests use the jnp stand-in of
                    kernels/cusparselt/ops.py.
@@ -77,6 +78,31 @@ from s24jax.kernels.cusparselt import ops as cusparselt
 
 # See "Backends" above; sparsity.backend must be one of these.
 BACKENDS = ("xla", "pallas", "pallas_always", "tcgen05", "cusparselt")
+# sparsity.fp8_backward_operands: the FP8 format of W~ (dX = dY W~) and x (dW = est(dY^T) x)
+# in the backward GEMMs. 'e4m3' (default): as in the forward, so every FP8 GEMM has an e4m3
+# operand (what FP8 tensor cores take). 'e5m2': re-quantized like dY (the S-STE reference).
+FP8_BACKWARD_OPERANDS = ("e4m3", "e5m2")
+
+
+def check_fp8_backward_operands(value: str, *, fp8: bool, backend: str) -> None:
+  """Raises ValueError unless `value` is a valid sparsity.fp8_backward_operands for a
+  layer with these sparsity.fp8 and sparsity.backend settings."""
+  if value not in FP8_BACKWARD_OPERANDS:
+    raise ValueError(f"unknown sparsity.fp8_backward_operands {value!r}; valid: "
+                     f"{', '.join(FP8_BACKWARD_OPERANDS)}")
+  if value == "e4m3":
+    return
+  # Not a silent no-op: asking for e5m2 backward operands means an FP8 run was intended.
+  if not fp8:
+    raise ValueError(f"sparsity.fp8_backward_operands={value!r} sets a format of the FP8 "
+                     "backward GEMMs, but sparsity.fp8 is False: set sparsity.fp8=True, or "
+                     "leave it at 'e4m3'.")
+  if backend == "cusparselt":
+    raise ValueError(f"sparsity.fp8_backward_operands={value!r} is not supported by "
+                     "sparsity.backend='cusparselt': dY, W~ and x would all be e5m2, and an "
+                     "FP8 tensor-core GEMM (cuSPARSELt's, on Hopper) needs one e4m3 operand; "
+                     "e5m2 x e5m2 has none. Use 'e4m3' with 'cusparselt', or "
+                     "sparsity.backend='xla'.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +110,8 @@ class GemmOptions:
   """Static options of the three GEMMs (hashable: a non-differentiable custom_vjp argument)."""
   mvue: bool = False        # weight gradient from the MVUE 2:4 estimate of dY^T
   fp8: bool = False         # FP8 GEMMs (s24jax/fp8.py): e4m3 x and W~, e5m2 dY
+  # FP8 format of W~ and x in the two backward GEMMs (FP8_BACKWARD_OPERANDS).
+  fp8_backward_operands: str = "e4m3"
   backend: str = "xla"      # GEMM implementation; 'xla' is the reference
   # W~ is 2:4 along `out` too (a transposable mask, Method.transposable): the data-gradient
   # GEMM may then run sparse ('tcgen05'); otherwise it is dense.
@@ -99,6 +127,8 @@ class GemmOptions:
     if self.fp8 and self.backend not in ("xla", "cusparselt"):
       raise ValueError(f"sparsity.fp8 needs sparsity.backend='xla' or 'cusparselt' (the "
                        f"Pallas kernels have no FP8 path); got backend {self.backend!r}.")
+    check_fp8_backward_operands(self.fp8_backward_operands, fp8=self.fp8,
+                                backend=self.backend)
 
 
 def _matmul_f32(a: jax.Array, b: jax.Array, dims) -> jax.Array:
@@ -106,24 +136,30 @@ def _matmul_f32(a: jax.Array, b: jax.Array, dims) -> jax.Array:
   return jax.lax.dot_general(a, b, (dims, ((), ())), preferred_element_type=jnp.float32)
 
 
-def _fp8_matmul_f32(a: jax.Array, b: jax.Array, dims, a_format) -> jax.Array:
+def _fp8_matmul_f32(a: jax.Array, b: jax.Array, dims, a_format, b_format) -> jax.Array:
   """FP8 path of `_matmul_f32` (opts.fp8): a in `a_format` (e4m3 forward operand, e5m2
-  gradient), b (x or W~: a forward operand) in e4m3, per-tensor amax scales, fp32 result."""
+  gradient), b (x or W~) in `b_format`, per-tensor amax scales, fp32 result."""
   return fp8_lib.fp8_dot_general(a, b, (dims, ((), ())), a_dtype=a_format,
-                                 b_dtype=fp8_lib.E4M3, out_dtype=jnp.float32)
+                                 b_dtype=b_format, out_dtype=jnp.float32)
+
+
+def _fp8_backward_format(opts: GemmOptions):
+  """The float8 dtype of W~ / x in the backward GEMMs (opts.fp8_backward_operands)."""
+  return fp8_lib.FORMATS[opts.fp8_backward_operands]
 
 
 def _fwd_gemm(x: jax.Array, w: jax.Array, opts: GemmOptions) -> jax.Array:
   """y = x W~^T: x (N, in), W~ (out, in) 2:4 along `in` -> (N, out) float32."""
   if opts.fp8:
-    return _fp8_matmul_f32(x, w, ((1,), (1,)), fp8_lib.E4M3)     # (N, out)
+    return _fp8_matmul_f32(x, w, ((1,), (1,)), fp8_lib.E4M3, fp8_lib.E4M3)   # (N, out)
   return _matmul_f32(x, w, ((1,), (1,)))                         # (N, out)
 
 
 def _dgrad_gemm(dy: jax.Array, w: jax.Array, opts: GemmOptions) -> jax.Array:
   """dX = dY W~: dY (N, out), W~ (out, in) 2:4 along `out` if transposable -> (N, in) f32."""
-  if opts.fp8:
-    return _fp8_matmul_f32(dy, w, ((1,), (0,)), fp8_lib.E5M2)    # (N, in)
+  if opts.fp8:   # W~ quantized afresh in the backward format (e4m3: as the forward did)
+    return _fp8_matmul_f32(dy, w, ((1,), (0,)), fp8_lib.E5M2,
+                           _fp8_backward_format(opts))          # (N, in)
   return _matmul_f32(dy, w, ((1,), (0,)))                        # (N, in)
 
 
@@ -148,7 +184,8 @@ def _wgrad_gemm(dy: jax.Array, x: jax.Array, key: jax.Array | None,
   """dW~ = est(dY^T) x: dY (N, out), x (N, in) -> (out, in) float32."""
   dy_t = _wgrad_operand(dy, key, opts)                           # (out, N)
   if opts.fp8:   # quantizes the (MVUE-)estimate itself: the GEMM's actual operand
-    return _fp8_matmul_f32(dy_t, x, ((1,), (0,)), fp8_lib.E5M2)  # (out, in)
+    return _fp8_matmul_f32(dy_t, x, ((1,), (0,)), fp8_lib.E5M2,
+                           _fp8_backward_format(opts))          # (out, in)
   return _matmul_f32(dy_t, x, ((1,), (0,)))                      # (out, in)
 
 
@@ -452,7 +489,8 @@ def _per_device(op, opts: GemmOptions):
 
 def sparse_linear(x: jax.Array, w: jax.Array, key: jax.Array | None = None, *,
                   mvue: bool = False, backend: str = "xla", fp8: bool = False,
-                  transposable: bool = False, prepared: dict | None = None) -> jax.Array:
+                  fp8_backward_operands: str = "e4m3", transposable: bool = False,
+                  prepared: dict | None = None) -> jax.Array:
   """y = x W~^T for x (..., in) and a 2:4 W~ (out, in), with the three-GEMM backward.
 
   Args:
@@ -469,13 +507,17 @@ def sparse_linear(x: jax.Array, w: jax.Array, key: jax.Array | None = None, *,
       data-gradient GEMM sparse as well.
     fp8: all three GEMMs in FP8 with per-tensor amax scaling (s24jax/fp8.py): x and W~ in
       e4m3, dY (and its MVUE estimate) in e5m2, fp32 accumulation.
+    fp8_backward_operands: with fp8, the format of W~ and x in the two backward GEMMs:
+      'e4m3' (as in the forward) or 'e5m2' (re-quantized, as the S-STE reference code does;
+      'xla' backend only). The forward is the same either way.
     prepared: 'cusparselt' only: W~ already compressed for this step (`prepare_weights`);
       None compresses it here.
 
   Returns:
     y (..., out) in x's dtype, accumulated in float32.
   """
-  opts = GemmOptions(mvue=mvue, backend=backend, fp8=fp8, transposable=transposable)
+  opts = GemmOptions(mvue=mvue, backend=backend, fp8=fp8,
+                     fp8_backward_operands=fp8_backward_operands, transposable=transposable)
   if x.shape[-1] != w.shape[-1]:
     raise ValueError(f"sparse_linear: x has {x.shape[-1]} input features (last axis of "
                      f"{tuple(x.shape)}) but W~ {tuple(w.shape)} expects {w.shape[-1]}.")

@@ -175,6 +175,122 @@ def test_sparse_op_fp8_uses_e4m3_forward_e5m2_gradients(mvue):
                              atol=1e-5)
 
 
+
+# sparsity.fp8_backward_operands: W~ and x in the two backward GEMMs.
+
+
+def _qdq_plain(a, np_dtype) -> np.ndarray:
+  """Per-tensor amax quantize-dequantize written out in numpy (no s24jax.fp8): scale =
+  fmax / amax, saturate, round to nearest even by ml_dtypes' cast, divide back."""
+  a = np.asarray(a, np.float32)
+  m = float(ml_dtypes.finfo(np_dtype).max)
+  scale = np.float32(m / np.abs(a).max())
+  q = np.clip(a * scale, -m, m).astype(np_dtype)
+  return q.astype(np.float64) / np.float64(scale)
+
+
+@pytest.mark.parametrize("mvue", [False, True])
+def test_sparse_op_e5m2_backward_operands_requantize_w_and_x(mvue):
+  x, w, dy = _sparse_op_inputs()
+  key = jax.random.PRNGKey(7)
+  e4, e5 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
+  y, dx, dw = _op_outputs(x, w, dy, key, mvue=mvue, fp8=True, fp8_backward_operands="e5m2")
+  y4, dx4, dw4 = _op_outputs(x, w, dy, key, mvue=mvue, fp8=True)
+  x2, dy2 = x.reshape(-1, 64), dy.reshape(-1, 48)                            # (N, in), (N, out)
+  dy_t = masks.mvue24(key, dy2.T) if mvue else dy2.T                         # (out, N)
+  # Forward unchanged: e4m3 x e4m3, bit for bit the default's.
+  np.testing.assert_array_equal(y, y4)
+  np.testing.assert_allclose(y.reshape(-1, 48), _qdq_plain(x2, e4) @ _qdq_plain(w, e4).T,
+                             rtol=1e-5, atol=1e-5)
+  # Backward: dY, W~ and x all e5m2, each with its own per-tensor amax scale.
+  want_dx = _qdq_plain(dy2, e5) @ _qdq_plain(w, e5)                          # (N, in)
+  want_dw = _qdq_plain(dy_t, e5) @ _qdq_plain(x2, e5)                        # (out, in)
+  np.testing.assert_allclose(dx.reshape(-1, 64), want_dx, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(dw, want_dw, rtol=1e-5, atol=1e-5)
+  # And not the e4m3-operand gradients: the re-quantization moves them by far more than the
+  # tolerance above (one mantissa bit less on W~ / x: ~6% here).
+  for got, default in ((dx, dx4), (dw, dw4)):
+    rel = float(jnp.linalg.norm(got - default) / jnp.linalg.norm(default))
+    assert rel > 2e-2, rel
+
+
+def test_sparse_op_fp8_backward_operands_default_is_todays_e4m3():
+  # Unset, "e4m3", and the pre-option backward written with fp8.fp8_dot_general (e5m2 dY x
+  # e4m3 W~ / x): bit-identical.
+  x, w, dy = _sparse_op_inputs(1)
+  unset = _op_outputs(x, w, dy, fp8=True)
+  e4m3 = _op_outputs(x, w, dy, fp8=True, fp8_backward_operands="e4m3")
+  for a, b in zip(unset, e4m3):
+    np.testing.assert_array_equal(a, b)
+
+  @jax.jit
+  def before(x, w, dy):
+    x2, dy2 = x.reshape(-1, 64), dy.reshape(-1, 48)
+    dims = (((1,), (0,)), ((), ()))
+    dx = fp8.fp8_dot_general(dy2, w, dims, a_dtype=fp8.E5M2, b_dtype=fp8.E4M3,
+                             out_dtype=jnp.float32)
+    dw = fp8.fp8_dot_general(dy2.T, x2, dims, a_dtype=fp8.E5M2, b_dtype=fp8.E4M3,
+                             out_dtype=jnp.float32)
+    return dx.reshape(x.shape), dw
+  for a, b in zip(unset[1:], before(x, w, dy)):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_fp8_backward_operands_bad_values_are_refused():
+  from s24jax.sparse_linear import SparsityConfig  # pylint: disable=g-import-not-at-top
+  x, w = jnp.ones((4, 8)), jnp.ones((4, 8))
+  with pytest.raises(ValueError, match="unknown sparsity.fp8_backward_operands 'e4m3fn'; "
+                                       "valid: e4m3, e5m2"):
+    sparse_ops.sparse_linear(x, w, fp8=True, fp8_backward_operands="e4m3fn")
+  with pytest.raises(ValueError, match="valid: e4m3, e5m2"):
+    SparsityConfig(fp8=True, fp8_backward_operands="E5M2")
+  # cuSPARSELt has no e5m2 x e5m2 GEMM: refused, with the reason and the valid choice.
+  with pytest.raises(ValueError, match="(?s)backend='cusparselt'.*one e4m3 operand.*'e4m3'"):
+    sparse_ops.sparse_linear(x, w, backend="cusparselt", fp8=True,
+                             fp8_backward_operands="e5m2")
+  with pytest.raises(ValueError, match="backend='cusparselt'"):
+    SparsityConfig(backend="cusparselt", fp8=True, fp8_backward_operands="e5m2")
+  # Without FP8 the option would do nothing: refused rather than ignored.
+  with pytest.raises(ValueError, match="sparsity.fp8 is False"):
+    sparse_ops.sparse_linear(x, w, fp8_backward_operands="e5m2")
+  # The Pallas and tcgen05 backends have no FP8 path at all (their own error).
+  with pytest.raises(ValueError, match="fp8 needs sparsity.backend='xla' or 'cusparselt'"):
+    sparse_ops.sparse_linear(x, w, backend="tcgen05", fp8=True, fp8_backward_operands="e5m2")
+
+
+def test_config_fp8_backward_operands_reaches_the_sparse_layers():
+  # base_config's field through loop.build / model_config to the FFN layers' op: the same
+  # loss (forward unchanged), other FFN kernel gradients (the backward GEMMs' operands).
+  from s24jax import config as config_lib, loop  # pylint: disable=g-import-not-at-top
+  from s24jax import losses as losses_lib, model as model_lib  # pylint: disable=g-import-not-at-top
+  c = config_lib.apply_variant(config_lib.base_config(), "tiny")
+  assert c.sparsity.fp8_backward_operands == "e4m3"
+  c.sparsity.method, c.sparsity.fp8 = "s_ste", True
+  c.model.vocab_size, c.model.seq_len = 64, 8
+  c.model.num_layers, c.model.num_heads, c.model.d_model = 1, 2, 16
+  tokens = np.random.default_rng(0).integers(0, 64, size=(4, 9))
+  inputs, targets = jnp.asarray(tokens[:, :-1]), jnp.asarray(tokens[:, 1:])
+  results = {}
+  for fmt in ("e4m3", "e5m2"):
+    c.sparsity.fp8_backward_operands = fmt
+    model_cfg = loop.build(c)[1]
+    assert model_cfg.sparsity.fp8_backward_operands == fmt
+    model = model_lib.GPT2(model_cfg)
+    variables = model.init(jax.random.PRNGKey(0), inputs)
+
+    def loss(params, variables=variables, model=model):
+      logits = model.apply({**variables, "params": params}, inputs)
+      return losses_lib.cross_entropy_sum(logits, targets)
+    results[fmt] = jax.jit(jax.value_and_grad(loss))(variables["params"])
+  (l4, g4), (l5, g5) = results["e4m3"], results["e5m2"]
+  assert float(l4) == float(l5)                          # the forward is the same
+  fc4, fc5 = g4["h_0"]["mlp"]["fc"]["kernel"], g5["h_0"]["mlp"]["fc"]["kernel"]
+  assert not np.array_equal(fc4, fc5)                    # the backward is not
+  np.testing.assert_allclose(fc5, fc4, rtol=0.2, atol=0.2 * float(jnp.abs(fc4).max()))
+  c.sparsity.fp8_backward_operands = "e5m3"
+  with pytest.raises(ValueError, match="valid: e4m3, e5m2"):
+    loop.build(c)
+
 def test_sparse_op_fp8_gradients_close_to_float32():
   errors = {"y": [], "dx": [], "dw": []}
   for seed in range(3):
