@@ -56,11 +56,13 @@ ABLATIONS = {
     "s_ste_e5m2_bwd": ("s_ste", {"sparsity.fp8_backward_operands": "e5m2"}),
     "mst": ("mst", {}),
     "mst_head_dense": ("mst", {"sparsity.sparse_layers": ("*/attn/*", "*/mlp/*")}),
-    "hu2024_auto": ("t_sr_ste_df", {"sparsity.t_sr_ste.decay": 0.0,
-                                    "sparsity.t_sr_ste.decay_auto": True}),
+    "hu2024_auto": ("t_sr_ste_df", {"sparsity.t_sr_ste.decay_auto": True}),
 }
 RUNS = {**RECIPES, **ABLATIONS}
 BASELINE = {"relu2_dense": None, "venom": "relu2_dense"}   # default: against 'dense'
+# What each ablation changes: its paired gap to that recipe is the ablation's effect.
+ABLATES = {"sr_ste_weights": "sr_ste", "s_ste_no_mvue": "s_ste", "s_ste_no_fp8": "s_ste",
+           "s_ste_e5m2_bwd": "s_ste", "mst_head_dense": "mst", "hu2024_auto": "hu2024"}
 EMBEDDED = "shakespeare"
 
 
@@ -172,12 +174,15 @@ def paired_gaps(rows: dict, name: str, base: str) -> list[float]:
 
 def table(root: str, corpus: str, names, seeds, variant: str) -> str:
   """Mean ± sd over the finished seeds of each run (the n column says how many)."""
+  needed = list(dict.fromkeys([*names, "dense", *filter(None, BASELINE.values()),
+                               *(ABLATES[n] for n in names if n in ABLATES)]))
   rows = {n: {s: summary(workdir_of(root, corpus, n, s), n, variant)
-              for s in seeds if finished(workdir_of(root, corpus, n, s))} for n in names}
+              for s in seeds if finished(workdir_of(root, corpus, n, s))} for n in needed}
   lines = [f"**{corpus}** ({variant})", "",
            "| run | n | val loss | gap to baseline (paired by seed) | baseline | "
-           "jump at dense switch | MVUE time share | min/run (1 core) |",
-           "|---|---|---|---|---|---|---|---|"]
+           "vs the recipe it ablates | jump at dense switch | MVUE time share | "
+           "min/run (1 core) |",
+           "|---|---|---|---|---|---|---|---|---|"]
   for n in names:
     if not rows[n]:
       continue
@@ -190,9 +195,12 @@ def table(root: str, corpus: str, names, seeds, variant: str) -> str:
       vals = [r["val"] for r in rows[n].values()]
       if len(vals) > 1:
         gap = f"(sd {100 * np.std(vals, ddof=1) / np.mean(vals):.2f} % of the mean)"
+    effect = "-"
+    if n in ABLATES and paired_gaps(rows, n, ABLATES[n]):
+      effect = f"{mean_sd(paired_gaps(rows, n, ABLATES[n]), '{:+.2f}')} % vs {ABLATES[n]}"
     vals = list(rows[n].values())
     lines.append(f"| {n} | {len(vals)} | {mean_sd([r['val'] for r in vals])} | {gap} | "
-                 f"{base or '-'} | {mean_sd([r.get('jump') for r in vals])} | "
+                 f"{base or '-'} | {effect} | {mean_sd([r.get('jump') for r in vals])} | "
                  f"{mean_sd([r.get('mvue_share') for r in vals], '{:.2f}')} | "
                  f"{mean_sd([r.get('minutes') for r in vals], '{:.1f}')} |")
   return "\n".join(lines)
