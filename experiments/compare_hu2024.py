@@ -10,10 +10,10 @@ Runs (each its own workdir under --root; finished ones are reused, not redone):
   recipe             the full recipe, experiments/gpt2_t_sr_ste_df.py: transposable masks
                      refreshed every 40 steps, MVUE weight gradient, lambda_W = 6e-5 on the
                      gradients, dense fine-tuning for the last 1/6 of the steps
-  sr_ste_grad_auto   SR-STE on the gradients, lambda_W chosen by the warm-up controller
-                     (s24jax/decay_control.py) during steps [100, 200), then frozen
-  recipe_auto        the recipe with lambda_W chosen by the controller (steps [100, 200)), which
-                     steers on the per-step flip rate of the plain 2:4 mask
+  sr_ste_grad_auto   SR-STE on the gradients, lambda_W adjusted from 6e-5 by the warm-up
+                     controller (methods/sr_ste.py) during steps [100, 200), then frozen
+  recipe_auto        the recipe with lambda_W adjusted by the controller (steps [100, 200)),
+                     which steers on the per-step flip rate of the transposable mask
   recipe_no_mvue     the recipe with the exact weight gradient dY^T x (no MVUE)
   recipe_refresh1    the recipe with the transposable mask recomputed every step
   recipe_refresh40   the recipe with the paper's fixed 40-step refresh (no drift trigger)
@@ -33,9 +33,9 @@ SR_STE = "experiments/gpt2_sr_ste.py:tiny"
 RECIPE = "experiments/gpt2_t_sr_ste_df.py:tiny"
 
 def _auto(method: str) -> dict:
-  """lambda_W chosen by the warm-up controller during steps [100, 200)."""
-  return {f"sparsity.{method}.decay": 0.0, f"sparsity.{method}.decay_auto": True,
-          f"sparsity.{method}.decay_auto_steps": 200}
+  """lambda_W adjusted by the warm-up controller during steps [100, 200), from the experiment
+  file's decay (the paper's)."""
+  return {f"sparsity.{method}.decay_auto": True, f"sparsity.{method}.decay_auto_steps": 200}
 
 
 RUNS = [

@@ -1,6 +1,6 @@
 """Tests for the Hu et al. 2024 recipe: the three-GEMM sparse op (MVUE on and off), the
-cached transposable-mask projection t_sr_ste, masked decay on the cached mask, the lambda_W
-warm-up controller, the flip-rate warning and gated FFNs.
+cached transposable-mask projection t_sr_ste, masked decay on the cached mask, the flip-rate
+warning and gated FFNs (the lambda_W warm-up controller: tests/test_decay_controller.py).
 
 References are plain jnp / NumPy written from the formulas (y = x (m W)^T, dX = dY (m W),
 dW = dY^T x), or plain-Python re-statements of a documented procedure, not calls back into
@@ -9,7 +9,6 @@ the code under test.
 from __future__ import annotations
 
 import dataclasses
-import types
 
 import flax
 import jax
@@ -28,7 +27,6 @@ from s24jax import train
 from s24jax.methods import sr_ste
 from s24jax.model import GPT2
 from s24jax.sparse_linear import SparseLinear, SparsityConfig
-from s24jax.methods import base
 from s24jax.methods import registry
 
 from tiny import tiny_config
@@ -279,124 +277,6 @@ def test_mvue_keys_differ_per_step_and_repeat_within_a_step():
   np.testing.assert_array_equal(g0["fc"]["kernel"], g0_again["fc"]["kernel"])
   assert (g0["fc"]["kernel"] != g1["fc"]["kernel"]).any()
   np.testing.assert_array_equal(g0["fc"]["bias"], g1["fc"]["bias"])   # bias grad: dense, exact
-
-
-# ---------------------------------------------------------------------------------------------
-# The lambda_W warm-up controller.
-
-
-def _controller_reference(rs, steps, cfg):
-  """Plain-Python statement of the controller's documented procedure (docs/algorithms.md,
-  "Choosing lambda_W in warm-up")."""
-  lam, ema, count, out = cfg.decay_auto_init, 0.0, 0, []
-  hi, lo = cfg.decay_auto_target * cfg.decay_auto_band, cfg.decay_auto_target / cfg.decay_auto_band
-  for step, r in zip(steps, rs):
-    if cfg.decay_auto_steps // 2 <= step < cfg.decay_auto_steps and not np.isnan(r):
-      ema = r if count == 0 else sr_ste.CONTROL_EMA * ema + (1 - sr_ste.CONTROL_EMA) * r
-      count += 1
-      if ema > hi:
-        lam = min(lam * cfg.decay_auto_rate, sr_ste.MAX_DECAY)
-      elif ema < lo:
-        lam = max(lam / cfg.decay_auto_rate, sr_ste.MIN_DECAY)
-    out.append(lam)
-  return out
-
-
-def _controller_start(method):
-  """The method state a fresh run starts with (init_state on empty params)."""
-  return method.init_state({}, {}, jax.random.key(0))[2]
-
-
-def test_decay_controller_on_synthetic_flip_rates():
-  cfg = dataclasses.replace(registry.get_method("sr_ste"), decay_auto=True, decay_auto_init=1e-4,
-                            decay_auto_target=1e-2, decay_auto_band=2.0, decay_auto_rate=1.5,
-                            decay_auto_steps=76)          # adapts during steps [38, 76)
-  # ignored (first half), explode (10x target), collapse to 0, no measurements, in band, frozen
-  rs = [1.0] * 3 + [0.1] * 6 + [0.0] * 20 + [np.nan] * 3 + [0.01] * 9 + [1.0] * 5
-  steps = list(range(35, 35 + len(rs)))
-  ctrl, got = _controller_start(cfg), []
-  update = jax.jit(cfg.control)
-  for step, r in zip(steps, rs):
-    ctrl = update(ctrl, jnp.float32(r), jnp.int32(step))
-    got.append(float(ctrl.decay))
-  np.testing.assert_allclose(got, _controller_reference(rs, steps, cfg), rtol=1e-5)
-  # The behaviour in words (band [5e-3, 2e-2], EMA 0.8), o = offset of the first active step:
-  o = 3
-  assert got[:o] == [pytest.approx(1e-4)] * o                  # first half: listens to nothing
-  assert got[o + 5] == pytest.approx(1e-4 * 1.5 ** 6, rel=1e-5)  # up x1.5 per exploding step
-  assert got[o + 12] == max(got)                               # the EMA lags: up until +12
-  assert len(set(got[o + 12:o + 19])) == 1                     # EMA inside the band: hold
-  assert got[o + 19] < got[o + 18] and got[o + 25] < got[o + 19]  # mask freezing: down
-  assert got[o + 26] == got[o + 27] == got[o + 28] == got[o + 25]  # no measurement
-  assert len(set(got[o + 31:o + 38])) == 1                     # back in the band: hold
-  assert set(got[o + 38:]) == {got[o + 37]}                    # frozen, even when exploding
-  assert int(ctrl.count) == 6 + 20 + 9
-
-
-def test_controller_warns_when_the_flip_rate_never_reaches_the_band(monkeypatch):
-  """At the freeze the hook says so (warning + sparsity/decay_band_reached = 0) when lambda_W
-  rose at every controller step, and stays quiet when it ever held or fell."""
-  cfg = dataclasses.replace(registry.get_method("t_sr_ste"), name="t_sr_ste", decay_auto=True,
-                            decay_auto_init=1e-4, decay_auto_target=1e-2, decay_auto_rate=1.5,
-                            decay_auto_steps=20)   # adapts during steps [10, 20)
-  update = jax.jit(cfg.control)
-
-  def freeze(rates):
-    ctrl = _controller_start(cfg)
-    for step, r in enumerate(rates):
-      ctrl = update(ctrl, jnp.float32(r), jnp.int32(step))
-    warnings, written = [], {}
-    monkeypatch.setattr(sr_ste.logging, "warning", lambda *a: warnings.append(a))
-    ctx = types.SimpleNamespace(state=types.SimpleNamespace(method_state=ctrl),
-                                step=20, write=lambda step, m: written.update(m))
-    cfg._log_chosen_decay(ctx)   # pylint: disable=protected-access
-    return ctrl, warnings, written
-
-  ctrl, warnings, written = freeze([0.5] * 20)          # 50x the target throughout: up, up, ...
-  assert float(ctrl.decay) == pytest.approx(1e-4 * 1.5 ** 10, rel=1e-5)
-  assert len(warnings) == 1 and written["sparsity/decay_band_reached"] == 0.0
-  assert written["sparsity/decay_chosen"] == pytest.approx(1e-4 * 1.5 ** 10, rel=1e-5)
-  # Steps whose smoothed rate is inside the band hold lambda_W: the band counts as reached.
-  ctrl, warnings, written = freeze([0.5] * 10 + [0.01] * 9 + [0.5])
-  assert float(ctrl.decay) < 1e-4 * 1.5 ** 9
-  assert not warnings and written["sparsity/decay_band_reached"] == 1.0
-  # Capped at MAX_DECAY: stuck too, whatever the count.
-  capped = sr_ste.ControllerState(decay=jnp.float32(sr_ste.MAX_DECAY), count=jnp.int32(500),
-                                  flip_ema=jnp.float32(0.5))
-  assert cfg.never_in_band(capped)
-  assert not cfg.never_in_band(_controller_start(cfg))   # never acted: nothing to say
-
-
-def test_decay_controller_wired_into_training_and_frozen_after_warmup():
-  """sr_ste with lambda auto: a target far below the tiny model's flip rate makes lambda
-  grow by exactly `rate` per step in the second half of warm-up, then it stays put."""
-  config = _tiny("sr_ste", sparsity__sr_ste__decay=0.0, sparsity__sr_ste__decay_auto=True,
-                 sparsity__sr_ste__decay_auto_target=1e-7, sparsity__sr_ste__decay_auto_rate=2.0,
-                 sparsity__sr_ste__decay_auto_init=1e-3, optim__warmup_steps=6)
-  assert registry.from_config(config).decay_auto_steps == 6   # 0 -> the warm-up
-  model, tx, state = _fresh(config)
-  rng, lams = np.random.default_rng(2), []
-  for _ in range(8):
-    state, metrics = train.train_step(state, _batch(rng), model=model, tx=tx)
-    # the lambda this step used is the controller's value before the step
-    assert float(metrics["sparsity/decay"]) == pytest.approx(lams[-1] if lams else 1e-3)
-    lams.append(float(state.method_state.decay))   # the controller's state
-  np.testing.assert_allclose(lams, [1e-3] * 3 + [2e-3, 4e-3, 8e-3, 8e-3, 8e-3], rtol=1e-6)
-
-
-def test_fixed_decay_overrides_auto():
-  cfg = dataclasses.replace(registry.get_method("sr_ste"), decay=6e-5, decay_auto=True)
-  assert not cfg.controlled and _controller_start(cfg) == {}
-  assert cfg.current_decay({}) == np.float32(6e-5)
-  assert dataclasses.replace(registry.get_method("t_sr_ste"), decay_auto=True).controlled
-  # ste takes no masked decay: decay_auto in a config whose method is ste gives no controller.
-  ste = registry.from_config(_tiny("ste", sparsity__sr_ste__decay_auto=True))
-  assert ste.name == "ste" and _controller_start(ste) == {}
-  assert not getattr(ste, "controlled", False)
-  assert not isinstance(ste, base.OptimizerTransforms)   # no transforms in its optimizer
-  with pytest.raises(ValueError, match="placement"):
-    dataclasses.replace(registry.get_method("sr_ste"), decay_auto=True,
-                        decay_placement="backward")
 
 
 # ---------------------------------------------------------------------------------------------

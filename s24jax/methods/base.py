@@ -224,9 +224,16 @@ def flip_rates(new: dict[tuple[str, ...], jax.Array], sparsity: Any, *, entry: s
                name: str = "flip_rate") -> Metrics:
   """Per-layer flip rate (masks.flip_rate of the new mask against the stored `entry`) and the
   global rate over all sparse layers (size-weighted): '<name>/<layer>', '<name>'."""
+  return flip_rates_between(new, {p: layer_at(sparsity, p)[entry] for p in new}, name=name)
+
+
+def flip_rates_between(new: dict[tuple[str, ...], jax.Array],
+                       old: dict[tuple[str, ...], jax.Array], *, name: str = "flip_rate"
+                       ) -> Metrics:
+  """`flip_rates` of the masks `new` against `old` (same layer paths)."""
   out, changed, total = {}, 0.0, 0
   for path, m in new.items():
-    rate = masks.flip_rate(m, layer_at(sparsity, path)[entry])
+    rate = masks.flip_rate(m, old[path])
     out[f"{name}/{state_lib.layer_name(path)}"] = rate
     changed, total = changed + rate * m.size, total + m.size
   if total:

@@ -1,20 +1,21 @@
 """sr_ste: hard-threshold 2:4, straight-through, with SR-STE's masked decay (Zhou et al. 2021;
-with Adam as in Hu et al. 2024), and lambda_W chosen automatically during warm-up.
+with Adam as in Hu et al. 2024): lambda_W fixed (Hu et al.'s 124M value unless set), or
+adjusted during warm-up from there (`decay_auto`).
 
 docs/algorithms.md, "SR-STE" and "Choosing lambda_W in warm-up", describe the rules; here:
 - `sr_ste24`: the projection, with the decay inside the backward ('backward' placement);
 - `masked_decay`: the optax transform for the two Adam placements, 'gradients' (after
   clipping, before Adam: Hu et al. 2024) and 'weights' (decoupled, after Adam);
 - the lambda_W controller (`decay_auto`): its state (`ControllerState`) is the method state
-  of the train state, updated from the step's global flip rate inside the jitted step
-  (`update`), frozen after warm-up;
+  of the train state, updated from the step's global flip rate (`steer_on`) inside the jitted
+  step (`update`, `control`): in rounds, lambda_W raised only while raising it lowers the
+  flip rate, frozen after warm-up;
 - `SRSTE`, the method; `t_sr_ste` (Hu et al. 2024) extends it with a cached transposable mask.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
-from typing import Any
+from typing import Any, ClassVar
 
 import flax
 import flax.struct
@@ -30,11 +31,15 @@ from s24jax import state as state_lib
 from s24jax.methods import base
 
 PLACEMENTS = ("gradients", "weights", "backward")
-# Hu et al. 2024's lambda_W per GPT-2 size (the experiment files pick it by variant).
+# Hu et al. 2024's lambda_W per GPT-2 size (the experiment files pick it by variant; the 124M
+# value is SRSTE's default).
 PAPER_DECAY = {"124m": 6e-5, "350m": 2e-4, "774m": 6e-5, "1558m": 2e-4}
-# The controller: EMA of the flip rate (per measurement); lambda stays in [MIN, MAX].
-CONTROL_EMA = 0.8
+# The controller keeps lambda_W in [MIN_DECAY, min(MAX_GROWTH x its start, MAX_DECAY)]. The
+# growth cap is a safety net: every raise must lower the flip rate or is undone, so only a
+# rate that keeps responding without reaching the band (or noise posing as a response) gets
+# there.
 MIN_DECAY, MAX_DECAY = 1e-8, 1.0
+MAX_GROWTH = 100.0
 
 
 @jax.custom_vjp
@@ -64,9 +69,15 @@ sr_ste24.defvjp(_sr_ste24_fwd, _sr_ste24_bwd)
 @flax.struct.dataclass
 class ControllerState:
   """The lambda_W warm-up controller's state (TrainState.method_state)."""
-  decay: jax.Array      # float32: lambda_W now
-  flip_ema: jax.Array   # float32: smoothed global flip rate
-  count: jax.Array      # int32: steps the controller acted
+  decay: jax.Array              # float32: lambda_W now
+  before_raise: jax.Array       # float32: lambda_W before the latest raise (the way back)
+  rate_before_raise: jax.Array  # float32: the round mean flip rate measured at before_raise
+  last_rate: jax.Array          # float32: the latest round's mean flip rate (NaN: none yet)
+  raised: jax.Array             # bool: the latest round ended in a raise (checked next round)
+  stopped: jax.Array            # bool: a raise did not lower the rate; lambda_W held for good
+  round_sum: jax.Array          # float32: sum of the current round's measured flip rates
+  round_count: jax.Array        # int32: their number
+  rounds: jax.Array             # int32: rounds the controller acted on
 
 
 def masked_decay(owner: "SRSTE", is_sparse: Any) -> optax.GradientTransformationExtraArgs:
@@ -111,19 +122,27 @@ def forward_masks(params: Any, sparsity: Any) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class SRSTE(base.Method, base.OptimizerTransforms):
-  """Masked decay lambda_W (1 - m) W, at `decay_placement`; lambda_W fixed (`decay` > 0) or
-  chosen in warm-up (`decay_auto`, with decay = 0)."""
-  decay: float = 0.0                   # lambda_W; 0 with decay_auto: chosen in warm-up
+  """Masked decay lambda_W (1 - m) W, at `decay_placement`; lambda_W fixed (`decay`), or
+  starting from `decay` and adjusted in warm-up (`decay_auto`). decay = 0: plain STE."""
+  # The metric the controller steers on: the per-step flip rate of the mask the forward
+  # applies (t_sr_ste: of its transposable mask).
+  steer_on: ClassVar[str] = "flip_rate"
+  # Hu et al. 2024's value for GPT-2 124M, so that the method chosen by name (without an
+  # experiment file) is SR-STE, not plain STE; the experiment files pick PAPER_DECAY by size.
+  decay: float = PAPER_DECAY["124m"]
   decay_placement: str = "gradients"   # 'gradients' (Hu et al.), 'weights', 'backward'
-  # The warm-up controller (docs/algorithms.md): lambda starts at decay_auto_init and is
-  # multiplied (divided) by decay_auto_rate whenever the smoothed global flip rate leaves
-  # [target / band, target * band], during steps [N/2, N) with N = decay_auto_steps
-  # (0: optim.warmup_steps); then frozen.
+  # The warm-up controller (docs/algorithms.md, "Choosing lambda_W in warm-up"): from `decay`,
+  # in rounds of decay_auto_every steps during steps [N/2, N) (N = decay_auto_steps, 0:
+  # optim.warmup_steps), lambda_W is multiplied by decay_auto_rate while the round's flip rate
+  # is above [target / band, target * band] and the last raise cut it by at least
+  # decay_auto_min_response (else that raise is undone and the controller stops), divided by
+  # it below the band; frozen from step N on.
   decay_auto: bool = False
-  decay_auto_init: float = 6e-5
   decay_auto_target: float = 3e-3
   decay_auto_band: float = 2.0
-  decay_auto_rate: float = 1.1
+  decay_auto_rate: float = 2.0
+  decay_auto_every: int = 10
+  decay_auto_min_response: float = 0.1
   decay_auto_steps: int = 0
 
   def __post_init__(self):
@@ -133,31 +152,53 @@ class SRSTE(base.Method, base.OptimizerTransforms):
     if self.decay < 0:
       raise ValueError(f"sparsity.{self.name}.decay (lambda_W) must be >= 0, got {self.decay}")
     if self.decay_auto:
-      if self.decay_placement == "backward":
-        raise ValueError("decay_auto chooses lambda_W in the optimizer; use decay_placement "
-                         "'gradients' or 'weights', not 'backward'")
-      if not (self.decay_auto_init > 0 and self.decay_auto_target > 0
-              and self.decay_auto_band > 1 and self.decay_auto_rate > 1
-              and self.decay_auto_steps >= 0):
-        raise ValueError("decay_auto needs decay_auto_init > 0, decay_auto_target > 0, "
-                         "decay_auto_band > 1, decay_auto_rate > 1, decay_auto_steps >= 0; got "
-                         f"{self.decay_auto_init}, {self.decay_auto_target}, "
-                         f"{self.decay_auto_band}, {self.decay_auto_rate}, "
-                         f"{self.decay_auto_steps}")
+      self._check_controller()
+
+  def _check_controller(self):
+    name = f"sparsity.{self.name or 'sr_ste'}"
+    if self.decay_placement == "backward":
+      raise ValueError("decay_auto chooses lambda_W in the optimizer; use decay_placement "
+                       "'gradients' or 'weights', not 'backward'")
+    if self.decay <= 0:
+      # The controller multiplies lambda_W: from 0 it could never move.
+      raise ValueError(f"{name}.decay_auto starts lambda_W from {name}.decay, which must be "
+                       f"> 0 (the default is Hu et al.'s {PAPER_DECAY['124m']:g}); decay=0 "
+                       "without decay_auto is plain STE")
+    base.check_positive_int(f"{name}.decay_auto_every", self.decay_auto_every)
+    if not (self.decay_auto_target > 0 and self.decay_auto_band > 1
+            and self.decay_auto_rate > 1 and 0 <= self.decay_auto_min_response < 1
+            and self.decay_auto_steps >= 0):
+      raise ValueError("decay_auto needs decay_auto_target > 0, decay_auto_band > 1, "
+                       "decay_auto_rate > 1, 0 <= decay_auto_min_response < 1, "
+                       f"decay_auto_steps >= 0; got {self.decay_auto_target}, "
+                       f"{self.decay_auto_band}, {self.decay_auto_rate}, "
+                       f"{self.decay_auto_min_response}, {self.decay_auto_steps}")
 
   def configure(self, run):
-    if self.controlled and not self.decay_auto_steps:   # lambda_W is chosen in warm-up
-      return dataclasses.replace(self, decay_auto_steps=run.warmup_steps)
-    return self
+    if not self.controlled:
+      return self
+    method = self
+    if not self.decay_auto_steps:   # lambda_W is chosen in warm-up
+      method = dataclasses.replace(self, decay_auto_steps=run.warmup_steps)
+    n, k = method.decay_auto_steps, method.decay_auto_every
+    if (n - n // 2) // k < 2:
+      logging.warning("sparsity.%s.decay_auto: the window [%d, %d) holds fewer than two rounds "
+                      "of decay_auto_every=%d steps; the effect of a raise of lambda_W is "
+                      "never checked", self.name, n // 2, n, k)
+    return method
 
   @property
   def uses_decay(self) -> bool:
-    return self.decay > 0 or self.decay_auto
+    return self.decay > 0
 
   @property
   def controlled(self) -> bool:
-    """lambda_W comes from the warm-up controller (a fixed decay > 0 always wins)."""
-    return self.decay_auto and self.decay == 0
+    """lambda_W comes from the warm-up controller (starting from `decay`)."""
+    return self.decay_auto
+
+  @property
+  def max_decay(self) -> float:
+    return min(self.decay * MAX_GROWTH, MAX_DECAY)
 
   # -- forward ----------------------------------------------------------------------------------
 
@@ -174,9 +215,13 @@ class SRSTE(base.Method, base.OptimizerTransforms):
     del rng
     if not self.controlled:
       return params, sparsity, {}
+    # One fresh buffer per leaf: the train step donates the state, and a buffer shared by
+    # two leaves would be donated twice.
+    f32, i32 = lambda x: jnp.array(x, jnp.float32), lambda x: jnp.array(x, jnp.int32)
     return params, sparsity, ControllerState(
-        decay=jnp.asarray(self.decay_auto_init, jnp.float32),
-        flip_ema=jnp.asarray(0.0, jnp.float32), count=jnp.asarray(0, jnp.int32))
+        decay=f32(self.decay), before_raise=f32(self.decay), rate_before_raise=f32(jnp.nan),
+        last_rate=f32(jnp.nan), raised=jnp.array(False), stopped=jnp.array(False),
+        round_sum=f32(0.0), round_count=i32(0), rounds=i32(0))
 
   def current_decay(self, method_state: Any) -> jax.Array:
     if self.controlled:
@@ -191,30 +236,62 @@ class SRSTE(base.Method, base.OptimizerTransforms):
   def update(self, before, after, grads):
     decay = self.current_decay(before.method_state) if self.uses_decay else None
     after, metrics = super().update(before, after, grads)
+    metrics.update(self.extra_flip_rates(before, after))
     if self.controlled:
       after = after.replace(method_state=self.control(
-          before.method_state, metrics.get("flip_rate", jnp.nan), before.step))
+          before.method_state, metrics.get(self.steer_on, jnp.nan), before.step))
     if decay is not None:
       metrics["sparsity/decay"] = decay   # lambda_W used by this step
     return after, metrics
 
+  def extra_flip_rates(self, before, after) -> base.Metrics:
+    """Flip rates besides the refresh's (t_sr_ste: of its transposable mask). None here: the
+    forward mask is the plain 2:4 mask, whose rate `refresh` measures."""
+    del before, after
+    return {}
+
   def control(self, ctrl: ControllerState, flip_rate: jax.Array, step: jax.Array
               ) -> ControllerState:
-    """One controller step after optimizer step `step` (0-based) measured `flip_rate` (the
-    global per-step rate; NaN: no measurement). Acts only while N/2 <= step < N."""
+    """One controller step after optimizer step `step` (0-based) measured `flip_rate` (NaN:
+    no measurement). Rounds of K = decay_auto_every steps tile [N/2, N) from N/2; a round's
+    mean is over its last K - K // 2 steps (the first half lets the mask and Adam's moments
+    follow the previous round's change); at a round's last step `decide` acts on it. A round
+    the end of the window cuts short, or one without measurements, is not acted on."""
     r = jnp.asarray(flip_rate, jnp.float32)
-    n = self.decay_auto_steps
-    active = (step >= n // 2) & (step < n) & ~jnp.isnan(r)
-    ema = jnp.where(ctrl.count == 0, r, CONTROL_EMA * ctrl.flip_ema + (1 - CONTROL_EMA) * r)
-    lam = ctrl.decay
+    n, k = self.decay_auto_steps, self.decay_auto_every
+    pos = step - n // 2
+    in_window = (pos >= 0) & (step < n)
+    phase = jnp.mod(pos, k)
+    measured = in_window & (phase >= k // 2) & ~jnp.isnan(r)
+    total = ctrl.round_sum + jnp.where(measured, r, 0.0)
+    count = ctrl.round_count + measured.astype(jnp.int32)
+    over = in_window & (phase == k - 1)
+    act = over & (count > 0) & ~ctrl.stopped
+    decided = self.decide(ctrl, total / jnp.maximum(count, 1).astype(jnp.float32))
+    ctrl = jax.tree.map(lambda a, b: jnp.where(act, a, b), decided, ctrl)
+    return ctrl.replace(round_sum=jnp.where(over, 0.0, total).astype(jnp.float32),
+                        round_count=jnp.where(over, 0, count).astype(jnp.int32))
+
+  def decide(self, ctrl: ControllerState, rate: jax.Array) -> ControllerState:
+    """The end-of-round rule, given the round's mean flip rate (docs/algorithms.md): above
+    the band raise lambda_W, unless the previous round's raise did not lower the rate by
+    decay_auto_min_response: then lambda_W no longer steers it (Adam normalises the decayed
+    gradient), so undo that raise and stop; below the band lower lambda_W; in it hold."""
     hi = self.decay_auto_target * self.decay_auto_band
     lo = self.decay_auto_target / self.decay_auto_band
-    new_lam = jnp.where(ema > hi, jnp.minimum(lam * self.decay_auto_rate, MAX_DECAY),
-                        jnp.where(ema < lo, jnp.maximum(lam / self.decay_auto_rate, MIN_DECAY),
-                                  lam))
-    return ControllerState(decay=jnp.where(active, new_lam, lam).astype(jnp.float32),
-                           flip_ema=jnp.where(active, ema, ctrl.flip_ema).astype(jnp.float32),
-                           count=ctrl.count + active.astype(jnp.int32))
+    lam, factor = ctrl.decay, self.decay_auto_rate
+    above = rate > hi
+    ignored = ctrl.raised & (rate > ctrl.rate_before_raise * (1 - self.decay_auto_min_response))
+    undo = above & ignored
+    up = above & ~ignored & (lam < self.max_decay)   # at the cap: hold (nothing to check)
+    new = jnp.where(undo, ctrl.before_raise,
+                    jnp.where(up, jnp.minimum(lam * factor, self.max_decay),
+                              jnp.where(rate < lo, jnp.maximum(lam / factor, MIN_DECAY), lam)))
+    f32 = lambda x: jnp.asarray(x, jnp.float32)
+    return ctrl.replace(decay=f32(new), before_raise=f32(jnp.where(up, lam, ctrl.before_raise)),
+                        rate_before_raise=f32(jnp.where(up, rate, ctrl.rate_before_raise)),
+                        last_rate=f32(rate), raised=up, stopped=ctrl.stopped | undo,
+                        rounds=ctrl.rounds + 1)
 
   # -- the loop ---------------------------------------------------------------------------------
 
@@ -225,32 +302,40 @@ class SRSTE(base.Method, base.OptimizerTransforms):
                                due=lambda step: step == self.decay_auto_steps))
     return chores
 
-  def never_in_band(self, ctrl: ControllerState) -> bool:
-    """True if the controller raised lambda_W at every step it acted (or hit MAX_DECAY): the
-    smoothed flip rate never came down to the band. Any step that held or lowered lambda_W
-    takes at least one factor of `rate` off log(lambda / init) / log(rate) = count."""
-    count, chosen = int(ctrl.count), float(ctrl.decay)
-    if count == 0:
-      return False
-    raised = math.log(chosen / self.decay_auto_init) / math.log(self.decay_auto_rate)
-    return chosen >= MAX_DECAY * (1 - 1e-6) or raised > count - 0.5
+  def freeze_report(self, ctrl: ControllerState) -> dict[str, float]:
+    """What the controller ended with: lambda_W, whether it stopped because the flip rate
+    did not respond to a raise, whether its last round's rate was in the band, its rounds."""
+    last = float(ctrl.last_rate)
+    lo = self.decay_auto_target / self.decay_auto_band
+    hi = self.decay_auto_target * self.decay_auto_band
+    return {"sparsity/decay_chosen": float(ctrl.decay),
+            "sparsity/decay_stopped_unresponsive": float(bool(ctrl.stopped)),
+            "sparsity/decay_band_reached": float(lo <= last <= hi),   # NaN: no round, 0
+            "sparsity/decay_rounds": float(ctrl.rounds)}
 
   def _log_chosen_decay(self, ctx: hooks.Context) -> None:
     ctrl = ctx.state.method_state
-    chosen = float(ctrl.decay)
-    logging.info("step %d: end of the lambda_W warm-up controller; lambda_W frozen at %.4g",
-                 ctx.step, chosen)
-    stuck = self.never_in_band(ctrl)
-    if stuck:
+    report = self.freeze_report(ctrl)
+    chosen, last = report["sparsity/decay_chosen"], float(ctrl.last_rate)
+    band = (self.decay_auto_target / self.decay_auto_band,
+            self.decay_auto_target * self.decay_auto_band)
+    logging.info("step %d: end of the lambda_W warm-up controller (%d rounds); lambda_W frozen "
+                 "at %.4g (started at %.4g)", ctx.step, int(ctrl.rounds), chosen, self.decay)
+    if bool(ctrl.stopped):
       # Seen on the tiny Hu et al. recipe (README, "Hu et al. 2024"): with the decay fed into
-      # Adam, a larger lambda_W stops lowering the flip rate, and the controller runs away.
+      # Adam, a larger lambda_W stops lowering the flip rate.
       logging.warning(
-          "lambda_W rose at every one of the controller's %d steps (%.3g -> %.3g): the "
-          "smoothed flip rate never came down to %.3g x %.3g. Past some value lambda_W no "
-          "longer lowers it (Adam normalises the decayed gradient), so this lambda_W is likely "
-          "far larger than needed; consider a fixed sparsity.%s.decay (the paper's: %s) or a "
-          "decay_auto_target nearer this run's flip rate.", int(ctrl.count),
-          self.decay_auto_init, chosen, self.decay_auto_target, self.decay_auto_band,
-          self.name, ", ".join(f"{k}: {v:g}" for k, v in PAPER_DECAY.items()))
-    ctx.write(ctx.step, {"sparsity/decay_chosen": chosen,
-                         "sparsity/decay_band_reached": float(not stuck)})
+          "lambda_W warm-up controller stopped: raising lambda_W from %.4g to %.4g did not "
+          "lower the flip rate (%s) by %.0f%% (%.3g -> %.3g; band [%.3g, %.3g]): lambda_W no "
+          "longer steers it (Adam normalises the decayed gradient). lambda_W went back to "
+          "%.4g and is frozen there.", chosen, min(chosen * self.decay_auto_rate,
+                                                   self.max_decay),
+          self.steer_on, 100 * self.decay_auto_min_response, float(ctrl.rate_before_raise),
+          last, *band, chosen)
+    elif last > band[1]:
+      logging.warning(
+          "lambda_W warm-up controller: the flip rate (%s) was still above the band [%.3g, "
+          "%.3g] at its last round (%.3g) with lambda_W = %.4g (cap %.4g = %gx the start): "
+          "the window ended, or the cap was reached, before the band.", self.steer_on,
+          *band, last, chosen, self.max_decay, MAX_GROWTH)
+    ctx.write(ctx.step, report)

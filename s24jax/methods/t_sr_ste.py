@@ -6,9 +6,11 @@ straight-through with masked decay (docs/algorithms.md, "Transposable 2:4 mask" 
 The forward uses the cached mask layer['mask']; it is recomputed from W (transposable, so W~
 is 2:4 along `out` too and the data-gradient GEMM dX = dY W~ is 2:4) only after every
 `mask_refresh_every`-th optimizer step, or (`mask_refresh_drift` > 0) as soon as the weights
-moved enough. The flip rate is the paper's per-step rate of the plain 2:4 mask of the latent
-W (layer['plain_mask'] keeps the previous one). Everything else (masked decay, the lambda_W
-controller, the flip-rate warning) is SR-STE's (methods/sr_ste.py).
+moved enough. Two per-step flip rates of the latent W: `flip_rate`, of its plain 2:4 mask
+(layer['plain_mask'] keeps the previous one; what the drift refresh and the flip-rate warning
+read), and `flip_rate_transposable`, of its transposable mask (the paper's r_t of the mask this
+method applies; what the lambda_W controller steers on). Everything else (masked decay, the
+lambda_W controller, the flip-rate warning) is SR-STE's (methods/sr_ste.py).
 """
 from __future__ import annotations
 
@@ -22,6 +24,9 @@ from s24jax.kernels import masks
 from s24jax import state as state_lib
 from s24jax.methods import base
 from s24jax.methods import sr_ste
+
+# The per-step flip rate of the transposable mask of the latent W (`TSRSTE.extra_flip_rates`).
+TRANSPOSABLE_RATE = "flip_rate_transposable"
 
 
 @jax.custom_vjp
@@ -47,6 +52,7 @@ masked_ste24.defvjp(_masked_ste24_fwd, _masked_ste24_bwd)
 @dataclasses.dataclass(frozen=True)
 class TSRSTE(sr_ste.SRSTE):
   transposable: ClassVar[bool] = True
+  steer_on: ClassVar[str] = TRANSPOSABLE_RATE
   # Optimizer steps between refreshes of the cached transposable mask (Hu et al.: 40).
   mask_refresh_every: int = 40
   # 0: refresh exactly every mask_refresh_every steps (the paper). > 0: also refresh after
@@ -54,6 +60,10 @@ class TSRSTE(sr_ste.SRSTE):
   # more than this fraction of entries: the cache follows the weights, however fast the
   # learning rate moves them (docs/algorithms.md, "Hu et al. 2024").
   mask_refresh_drift: float = 0.0
+  # The run's logging period and length (configure): the steps whose flip_rate_transposable
+  # the loop logs. 0 (not configured): measured every step.
+  log_every: int = dataclasses.field(default=0, metadata=base.INTERNAL)
+  total_steps: int = dataclasses.field(default=0, metadata=base.INTERNAL)
 
   def __post_init__(self):
     super().__post_init__()
@@ -61,6 +71,10 @@ class TSRSTE(sr_ste.SRSTE):
     if not 0.0 <= self.mask_refresh_drift < 1.0:
       raise ValueError(f"sparsity.{self.name}.mask_refresh_drift must be in [0, 1), got "
                        f"{self.mask_refresh_drift}")
+
+  def configure(self, run):
+    return dataclasses.replace(super().configure(run), log_every=run.log_every,
+                               total_steps=run.total_steps)
 
   def init_layer(self, kernel):
     plain = masks.nm_mask(kernel)
@@ -76,9 +90,39 @@ class TSRSTE(sr_ste.SRSTE):
   def project(self, kernel, layer):
     return masked_ste24(kernel, layer["mask"], self.backward_decay())
 
+  def extra_flip_rates(self, before, after):
+    """`flip_rate_transposable` (per layer and global): transposable_mask(W_t) against
+    transposable_mask(W_{t-1}), from the params before and after the step, so no mask is
+    kept in the state. Two transposable masks per layer cost ~17% of a `small` CPU step
+    (docs/algorithms.md, "Flip rate"), so they are computed only where the rate is read: at
+    the steps the loop logs, and in the lambda_W controller's window; NaN at the others (the
+    log's mean skips NaN: the logged value is then the log step's own rate)."""
+    paths = state_lib.sparse_layer_paths(after.sparsity)
+
+    def measure():
+      new = {p: masks.transposable_mask(base.kernel_at(after.params, p)) for p in paths}
+      old = {p: masks.transposable_mask(base.kernel_at(before.params, p)) for p in paths}
+      return base.flip_rates_between(new, old, name=TRANSPOSABLE_RATE)
+
+    def skip():
+      return jax.tree.map(lambda x: jnp.full(x.shape, jnp.nan, x.dtype), jax.eval_shape(measure))
+
+    return jax.lax.cond(self._transposable_rate_due(before.step), measure, skip)
+
+  def _transposable_rate_due(self, step: jax.Array) -> jax.Array:
+    """Whether step `step` (0-based) measures flip_rate_transposable (see extra_flip_rates)."""
+    if not self.log_every:
+      return jnp.asarray(True)
+    done = step + 1                                    # hooks.itstime's steps done
+    due = (done % self.log_every == 0) | (done == self.total_steps)
+    if self.controlled:
+      n = self.decay_auto_steps
+      due = due | ((step >= n // 2) & (step < n))
+    return due
+
   def refresh(self, params, sparsity, step):
     """Every step: the plain 2:4 mask of the updated W, its flip rate against the previous
-    step's (`flip_rate`, the paper's r_t; what the lambda_W controller steers on). At a
+    step's (`flip_rate`; the transposable mask's is `extra_flip_rates`'). At a
     refresh (after every k-th step, k = mask_refresh_every, or when the plain mask drifted
     more than mask_refresh_drift since the last refresh): fresh transposable masks for the
     forward, `mask_refresh/changed` (the fraction of the cached mask that changed: the
