@@ -49,14 +49,14 @@ RECIPES = {
     "venom": ("venom", {"act_sparsity.stats_sequences": 0}),
 }
 # Ablations and follow-ups: the first corpus only.
-ABLATIONS = {
-    "sr_ste_weights": ("sr_ste", {"sparsity.sr_ste.decay_placement": "weights"}),
+ABLATIONS = {   # in the order they run (seed-major): the last ones are cut first
     "s_ste_no_mvue": ("s_ste", {"sparsity.mvue": False}),
     "s_ste_no_fp8": ("s_ste", {"sparsity.fp8": False}),
-    "s_ste_e5m2_bwd": ("s_ste", {"sparsity.fp8_backward_operands": "e5m2"}),
-    "mst": ("mst", {}),
+    "sr_ste_weights": ("sr_ste", {"sparsity.sr_ste.decay_placement": "weights"}),
     "mst_head_dense": ("mst", {"sparsity.sparse_layers": ("*/attn/*", "*/mlp/*")}),
     "hu2024_auto": ("t_sr_ste_df", {"sparsity.t_sr_ste.decay_auto": True}),
+    "mst": ("mst", {}),
+    "s_ste_e5m2_bwd": ("s_ste", {"sparsity.fp8_backward_operands": "e5m2"}),
 }
 RUNS = {**RECIPES, **ABLATIONS}
 BASELINE = {"relu2_dense": None, "venom": "relu2_dense"}   # default: against 'dense'
