@@ -58,8 +58,12 @@ ABLATIONS = {   # in the order they run (seed-major): the last ones are cut firs
     "mst": ("mst", {}),
     "s_ste_e5m2_bwd": ("s_ste", {"sparsity.fp8_backward_operands": "e5m2"}),
 }
+# Follow-ups (README, "What the papers claim"): the flip-rate regime at twice the lr.
+LR2X = {"optim.lr": 4e-3, "optim.min_lr": 4e-4}
+ABLATIONS.update({f"{n}_lr2x": (RECIPES[n][0], LR2X) for n in ("dense", "ste", "sr_ste", "s_ste")})
 RUNS = {**RECIPES, **ABLATIONS}
-BASELINE = {"relu2_dense": None, "venom": "relu2_dense"}   # default: against 'dense'
+BASELINE = {"relu2_dense": None, "venom": "relu2_dense",   # default: against 'dense'
+            **{f"{n}_lr2x": "dense_lr2x" for n in ("ste", "sr_ste", "s_ste")}}
 # What each ablation changes: its paired gap to that recipe is the ablation's effect.
 ABLATES = {"sr_ste_weights": "sr_ste", "s_ste_no_mvue": "s_ste", "s_ste_no_fp8": "s_ste",
            "s_ste_e5m2_bwd": "s_ste", "mst_head_dense": "mst", "hu2024_auto": "hu2024"}
@@ -174,7 +178,7 @@ def paired_gaps(rows: dict, name: str, base: str) -> list[float]:
 
 def table(root: str, corpus: str, names, seeds, variant: str) -> str:
   """Mean ± sd over the finished seeds of each run (the n column says how many)."""
-  needed = list(dict.fromkeys([*names, "dense", *filter(None, BASELINE.values()),
+  needed = list(dict.fromkeys([*names, "dense", *(BASELINE.get(n) or "dense" for n in names),
                                *(ABLATES[n] for n in names if n in ABLATES)]))
   rows = {n: {s: summary(workdir_of(root, corpus, n, s), n, variant)
               for s in seeds if finished(workdir_of(root, corpus, n, s))} for n in needed}

@@ -20,8 +20,8 @@ mask of the latent W; `train/flip_rate_transposable`: of its transposable mask, 
 decays; `train/mask_refresh/changed` (the cached mask's change at a
 refresh), `train/mask_refresh/refreshed` (its log average: the refresh rate),
 `train/transposable_kept_ratio` (the |W| the transposable mask keeps relative to the row-wise
-2:4 mask) and `train/sparsity/decay` (lambda_W) are logged. Measured: README, "Tiny comparisons
-over seeds" (experiments/compare_recipes.py) and "Hu et al. 2024" (experiments/compare_hu2024.py).
+2:4 mask) and `train/sparsity/decay` (lambda_W) are logged. Measured: README, "Every recipe
+over seeds" (experiments/compare_recipes.py).
 """
 from s24jax.config import CPU_VARIANTS, apply_variant, base_config
 from s24jax.methods import sr_ste

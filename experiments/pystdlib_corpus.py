@@ -1,4 +1,4 @@
-"""A second, held-out corpus for the tiny comparisons: the Python standard library's source.
+"""A second, held-out corpus for the comparisons: the Python standard library's source.
 
   python experiments/pystdlib_corpus.py DIR      # writes DIR/<module path>.txt, one per module
 
