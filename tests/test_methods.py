@@ -6,7 +6,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
