@@ -69,6 +69,9 @@ ABLATIONS = {   # in the order they run (seed-major): the last ones are cut firs
 # Follow-ups (README, "What the papers claim"): the flip-rate regime at twice the lr.
 LR2X = {"optim.lr": 4e-3, "optim.min_lr": 4e-4}
 ABLATIONS.update({f"{n}_lr2x": (RECIPES[n][0], LR2X) for n in ("dense", "ste", "sr_ste", "s_ste")})
+# S-STE's forward is beta S(W) with beta ~1.48 frozen: does an lr / beta close its gap to STE?
+LR_BY_BETA = {"optim.lr": 1.35e-3, "optim.min_lr": 1.35e-4}
+ABLATIONS.update({f"{n}_lr067": (RECIPES[n][0], LR_BY_BETA) for n in ("ste", "s_ste")})
 RUNS = {**RECIPES, **ABLATIONS}
 BASELINE = {"relu2_dense": None, "venom": "relu2_dense",   # default: against 'dense'
             "venom_projected": "relu2_dense",
@@ -78,6 +81,7 @@ ABLATES = {"sr_ste_weights": "sr_ste", "s_ste_no_mvue": "s_ste", "s_ste_no_fp8":
            "s_ste_e5m2_bwd": "s_ste", "mst_head_dense": "mst", "hu2024_auto": "hu2024",
            "venom_projected": "venom", "s_ste_rescale200": "s_ste", "hu2024_no_mvue": "hu2024",
            "mst_head_dense_causal": "mst_head_dense", "mst_ffn_only": "mst_head_dense"}
+ABLATES["s_ste_lr067"] = "ste_lr067"   # paired at the same lower lr
 EMBEDDED = "shakespeare"
 
 
