@@ -57,8 +57,8 @@ ABLATIONS = {   # in the order they run (seed-major): the last ones are cut firs
     "hu2024_auto": ("t_sr_ste_df", {"sparsity.t_sr_ste.decay_auto": True}),
     "mst": ("mst", {}),
     "s_ste_e5m2_bwd": ("s_ste", {"sparsity.fp8_backward_operands": "e5m2"}),
-    "venom_projected": ("venom", {"act_sparsity.stats_sequences": 0,
-                                  "sparsity.dense_finetune_init": "projected"}),
+    "venom_latent": ("venom", {"act_sparsity.stats_sequences": 0,
+                               "sparsity.dense_finetune_init": "latent"}),
     "s_ste_rescale200": ("s_ste", {"sparsity.s_ste.rescale_every": 200}),
     "hu2024_no_mvue": ("t_sr_ste_df", {"sparsity.mvue": False}),
     "mst_head_dense_causal": ("mst", {"sparsity.sparse_layers": ("*/attn/*", "*/mlp/*"),
@@ -74,12 +74,12 @@ LR_BY_BETA = {"optim.lr": 1.35e-3, "optim.min_lr": 1.35e-4}
 ABLATIONS.update({f"{n}_lr067": (RECIPES[n][0], LR_BY_BETA) for n in ("ste", "s_ste")})
 RUNS = {**RECIPES, **ABLATIONS}
 BASELINE = {"relu2_dense": None, "venom": "relu2_dense",   # default: against 'dense'
-            "venom_projected": "relu2_dense",
+            "venom_latent": "relu2_dense",
             **{f"{n}_lr2x": "dense_lr2x" for n in ("ste", "sr_ste", "s_ste")}}
 # What each ablation changes: its paired gap to that recipe is the ablation's effect.
 ABLATES = {"sr_ste_weights": "sr_ste", "s_ste_no_mvue": "s_ste", "s_ste_no_fp8": "s_ste",
            "s_ste_e5m2_bwd": "s_ste", "mst_head_dense": "mst", "hu2024_auto": "hu2024",
-           "venom_projected": "venom", "s_ste_rescale200": "s_ste", "hu2024_no_mvue": "hu2024",
+           "venom_latent": "venom", "s_ste_rescale200": "s_ste", "hu2024_no_mvue": "hu2024",
            "mst_head_dense_causal": "mst_head_dense", "mst_ffn_only": "mst_head_dense"}
 ABLATES["s_ste_lr067"] = "ste_lr067"   # paired at the same lower lr
 EMBEDDED = "shakespeare"
