@@ -35,7 +35,8 @@ from s24jax import metrics as metrics_lib
 from s24jax import phases
 from s24jax.methods import base as methods_base
 
-import pystdlib_corpus  # pylint: disable=wrong-import-order  (experiments/, beside this file)
+import gpt2_mst  # pylint: disable=wrong-import-order  (experiments/, beside this file)
+import pystdlib_corpus  # pylint: disable=wrong-import-order
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # name -> (experiment file stem, overrides). The recipes run on every corpus.
@@ -118,8 +119,22 @@ def _flag(key: str, value) -> str:
   return f"--config.{key}={value}"
 
 
-def launch_command(name: str, seed: int, variant: str, data: dict, workdir: str) -> list[str]:
+def length_overrides(name: str, steps: int) -> dict:
+  """Overrides that run `name` for `steps` steps, every schedule stretched alike."""
+  if not steps:
+    return {}
+  # The lr, phase and sparsity schedules are fractions of total_steps; MST's Delta is set by
+  # its experiment file from total_steps, so it is stretched here.
+  if RUNS[name][0] == "mst":
+    return {"total_steps": steps,
+            "sparsity.mst.update_every": steps // gpt2_mst.CPU_UPDATES_PER_RUN}
+  return {"total_steps": steps}
+
+
+def launch_command(name: str, seed: int, variant: str, data: dict, workdir: str,
+                   steps: int = 0) -> list[str]:
   spec, overrides = run_config(name, variant)
+  overrides = {**overrides, **length_overrides(name, steps)}
   flags = [_flag(k, v) for k, v in {**overrides, **data, "seed": seed}.items()]
   return [sys.executable, os.path.join(ROOT, "launch.py"), "--config", spec,
           "--workdir", workdir, *flags]
@@ -157,7 +172,7 @@ def run_all(jobs: list[tuple[list[str], str]], parallel: int) -> None:
           f.write(f"{minutes:.2f}\n")
 
 
-def summary(workdir: str, name: str, variant: str) -> dict[str, float]:
+def summary(workdir: str, name: str, variant: str, steps: int = 0) -> dict[str, float]:
   with open(os.path.join(workdir, "final_metrics.json"), encoding="utf-8") as f:
     final = json.load(f)
   out = {"val": final["val/loss"], "mvue_share": final.get("perf/mvue_time_share")}
@@ -166,12 +181,12 @@ def summary(workdir: str, name: str, variant: str) -> dict[str, float]:
     with open(wall, encoding="utf-8") as f:
       out["minutes"] = float(f.read())
   spec, overrides = run_config(name, variant)
-  cfg = config_files.load_config(spec, overrides)
+  cfg = config_files.load_config(spec, {**overrides, **length_overrides(name, steps)})
   start = phases.dense_finetune_start(methods_base.RunFacts.from_config(cfg))
   if start < cfg.total_steps:   # the train-loss jump at the switch to dense fine-tuning
-    steps, loss = metrics_lib.series(metrics_lib.read_jsonl(
+    logged, loss = metrics_lib.series(metrics_lib.read_jsonl(
         os.path.join(workdir, "metrics.jsonl")), "train/loss")
-    before, after = loss[steps <= start][-1], loss[steps > start][0]
+    before, after = loss[logged <= start][-1], loss[logged > start][0]
     out["jump"] = float(after - before)
   return out
 
@@ -191,13 +206,14 @@ def paired_gaps(rows: dict, name: str, base: str) -> list[float]:
           if s in rows.get(base, {})]
 
 
-def table(root: str, corpus: str, names, seeds, variant: str) -> str:
+def table(root: str, corpus: str, names, seeds, variant: str, steps: int = 0) -> str:
   """Mean ± sd over the finished seeds of each run (the n column says how many)."""
   needed = list(dict.fromkeys([*names, "dense", *(BASELINE.get(n) or "dense" for n in names),
                                *(ABLATES[n] for n in names if n in ABLATES)]))
-  rows = {n: {s: summary(workdir_of(root, corpus, n, s), n, variant)
+  rows = {n: {s: summary(workdir_of(root, corpus, n, s), n, variant, steps)
               for s in seeds if finished(workdir_of(root, corpus, n, s))} for n in needed}
-  lines = [f"**{corpus}** ({variant})", "",
+  length = f", {steps} steps" if steps else ""
+  lines = [f"**{corpus}** ({variant}{length})", "",
            "| run | n | val loss | gap to baseline (paired by seed) | baseline | "
            "vs the recipe it ablates | jump at dense switch | MVUE time share | "
            "min/run (1 core) |",
@@ -236,7 +252,10 @@ def main(argv=None) -> None:
   p.add_argument("--ablations", action="store_true", help="also the ablations (first corpus)")
   p.add_argument("--jobs", type=int, default=1, help="runs at a time, one core each")
   p.add_argument("--table_only", action="store_true", help="no training: tables of what ran")
+  p.add_argument("--steps", type=int, default=0, help="run length (default: the variant's); "
+                 "the runs go under --root/steps<N>")
   args = p.parse_args(argv)
+  run_root = os.path.join(args.root, f"steps{args.steps}") if args.steps else args.root
   seeds = [int(s) for s in args.seeds.split(",")]
   names = args.only.split(",") if args.only else list(RECIPES)
   unknown = sorted(set(names) - set(RUNS))
@@ -255,15 +274,16 @@ def main(argv=None) -> None:
   order = [(seed, label, data, name) for group in groups for seed in seeds
            for label, data in corpora for name in plan[label] if name in group]
   for seed, label, data, name in order:
-    workdir = workdir_of(args.root, label, name, seed)
+    workdir = workdir_of(run_root, label, name, seed)
     if not finished(workdir):
-      jobs.append((launch_command(name, seed, args.variant, data, workdir), workdir))
+      jobs.append((launch_command(name, seed, args.variant, data, workdir, args.steps),
+                   workdir))
   if not args.table_only:
     run_all(jobs, args.jobs)
-  text = "\n\n".join(table(args.root, label, plan[label], seeds, args.variant)
+  text = "\n\n".join(table(run_root, label, plan[label], seeds, args.variant, args.steps)
                      for label, _ in corpora)
   print(text)
-  with open(os.path.join(args.root, "table.md"), "w", encoding="utf-8") as f:
+  with open(os.path.join(run_root, "table.md"), "w", encoding="utf-8") as f:
     f.write(text + "\n")
 
 

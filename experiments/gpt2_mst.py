@@ -25,6 +25,8 @@ plan). 124m: the paper's setting (seq 1024, l=128).
 """
 from s24jax.config import CPU_VARIANTS, apply_variant, base_config
 
+CPU_UPDATES_PER_RUN = 24   # topology updates in a CPU run: Delta = total_steps / 24
+
 
 def get_config(variant=None):
   config = base_config()
@@ -37,5 +39,5 @@ def get_config(variant=None):
   if variant in CPU_VARIANTS:
     # The paper's l = seq_len / 8 (128 of 1024); topology updates every 1/24 of the run.
     config.model.attention_stride = config.model.seq_len // 8
-    config.sparsity.mst.update_every = config.total_steps // 24
+    config.sparsity.mst.update_every = config.total_steps // CPU_UPDATES_PER_RUN
   return config

@@ -74,3 +74,19 @@ def test_compare_recipes_table_pairs_gaps_by_seed(tmp_path, monkeypatch):
   assert ste.startswith(f"| ste | 3 | {np.mean([2.02, 2.2, 9.0]):.3f}") and want in ste
   dense = next(line for line in text.splitlines() if line.startswith("| dense |"))
   assert f"sd {100 * np.std([2.0, 2.2], ddof=1) / 2.1:.2f} %" in dense
+
+
+def test_compare_recipes_steps_stretch_every_schedule(monkeypatch):
+  """--steps N: N steps, and MST's topology updates as many per run as at the default length."""
+  monkeypatch.syspath_prepend(os.path.join(REPO, "experiments"))
+  import compare_recipes   # pylint: disable=g-import-not-at-top
+  def loaded(name, steps):
+    spec, overrides = compare_recipes.run_config(name, "small")
+    return config_files.load_config(spec, {**overrides,
+                                           **compare_recipes.length_overrides(name, steps)})
+  default = loaded("mst", 0)
+  longer = loaded("mst", 3 * default.total_steps)
+  assert longer.total_steps == 3 * default.total_steps
+  assert longer.sparsity.mst.update_every == 3 * default.sparsity.mst.update_every
+  assert loaded("ste", 1234).total_steps == 1234
+  assert loaded("ste", 0).total_steps == default.total_steps
