@@ -9,6 +9,7 @@ import math
 import pathlib
 import socket
 import sys
+import threading
 import types
 
 from etils import epath
@@ -245,6 +246,44 @@ def test_text_folder_documents_and_tokens(tmp_path):
                                 reference_stream([FOLDER_DOCS[t] for t in val_titles]))
   assert meta['splits']['train']['num_tokens'] == len(tokens.train)
   assert tokens.name.startswith('text_folder')
+
+
+def test_two_processes_preparing_one_fresh_cache_both_succeed(tmp_path, monkeypatch):
+  """Both builders pass TFDS's 'already prepared?' check before either renames its folder into
+  place (a barrier inside example generation holds them there), as two runs started together
+  on a fresh cache do; the loser of the rename must read the winner's dataset."""
+  folder = make_folder(tmp_path)
+  both_generating = threading.Barrier(2, timeout=60)
+  generate = text_corpus.TextCorpus._split_generators
+
+  def split_generators_in_step(self, dl_manager):
+    both_generating.wait()
+    return generate(self, dl_manager)
+
+  monkeypatch.setattr(text_corpus.TextCorpus, '_split_generators', split_generators_in_step)
+  builders = [text_corpus.text_corpus_builder('text_folder', tmp_path / 'tfds', folder)
+              for _ in range(2)]
+  errors = []
+
+  def prepare(builder):
+    try:
+      text_corpus.prepare(builder)
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      errors.append(e)
+
+  threads = [threading.Thread(target=prepare, args=(b,)) for b in builders]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert not errors, errors
+  for builder in builders:   # Each reads the one dataset, every document once.
+    ds = builder.as_data_source()
+    titles = [r['title'] for split in ('train', 'validation') for r in ds[split]]
+    titles = [t.decode() if isinstance(t, bytes) else t for t in titles]
+    assert sorted(titles) == sorted(FOLDER_DOCS)
+  leftovers = [p.name for p in builders[0].data_path.parent.iterdir()]
+  assert leftovers == [builders[0].data_path.name], leftovers
 
 
 def test_text_folder_name_requires_path(tmp_path):

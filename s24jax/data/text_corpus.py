@@ -20,6 +20,7 @@ import pathlib
 import re
 from typing import Iterator, Sequence
 
+from absl import logging
 from etils import epath
 import tensorflow_datasets as tfds
 
@@ -292,11 +293,21 @@ def text_corpus_builder(source: str,
 
 
 def prepare(builder: TextCorpus) -> None:
-  """Builds the dataset once; a no-op when `builder.data_dir` already holds it."""
+  """Builds the dataset once; a no-op when `builder.data_dir` already holds it.
+
+  Two processes starting on a fresh cache (two runs of compare_recipes.py, say) may both build
+  it: each writes to its own `incomplete.*` folder and renames it into place, and the second
+  rename fails. The same version's folder holds the same examples, so the loser uses the
+  winner's dataset.
+  """
   if builder.is_prepared():
     return
   tfds.disable_progress_bar()  # Progress bars flood logs of short runs; the log line suffices.
   try:
     builder.download_and_prepare()
+  except FileExistsError:
+    if not epath.Path(builder.data_dir).joinpath('dataset_info.json').exists():
+      raise   # Not the race: something else is in the way.
+    logging.info('%s was prepared by another process meanwhile; using it.', builder.data_dir)
   finally:
     tfds.enable_progress_bar()
