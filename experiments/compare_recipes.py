@@ -73,6 +73,11 @@ ABLATIONS.update({f"{n}_lr2x": (RECIPES[n][0], LR2X) for n in ("dense", "ste", "
 # S-STE's forward is beta S(W) with beta ~1.48 frozen: does an lr / beta close its gap to STE?
 LR_BY_BETA = {"optim.lr": 1.35e-3, "optim.min_lr": 1.35e-4}
 ABLATIONS.update({f"{n}_lr067": (RECIPES[n][0], LR_BY_BETA) for n in ("ste", "s_ste")})
+# Weight decay on the latent W (0.1 on every matrix by default): S-STE against STE without it.
+ABLATIONS.update({f"{n}_wd0": (RECIPES[n][0], {"optim.weight_decay": 0.0}) for n in ("ste", "s_ste")})
+# MST's control at its FLOPs: dense at width 64 plans 1/4 of the blocks' matmul FLOPs of width
+# 128 (MST's blocks: 4.02x fewer) with 1/4 of their parameters (MST's end: 0.3 dense).
+ABLATIONS["dense_w64"] = ("dense", {"model.d_model": 64})
 RUNS = {**RECIPES, **ABLATIONS}
 BASELINE = {"relu2_dense": None, "venom": "relu2_dense",   # default: against 'dense'
             "venom_latent": "relu2_dense",
@@ -83,6 +88,8 @@ ABLATES = {"sr_ste_weights": "sr_ste", "s_ste_no_mvue": "s_ste", "s_ste_no_fp8":
            "venom_latent": "venom", "s_ste_rescale200": "s_ste", "hu2024_no_mvue": "hu2024",
            "mst_head_dense_causal": "mst_head_dense", "mst_ffn_only": "mst_head_dense"}
 ABLATES["s_ste_lr067"] = "ste_lr067"   # paired at the same lower lr
+ABLATES["s_ste_wd0"] = "ste_wd0"
+ABLATES["dense_w64"] = "mst_head_dense"   # the small dense model against MST at its FLOPs
 EMBEDDED = "shakespeare"
 
 
@@ -120,10 +127,11 @@ def _flag(key: str, value) -> str:
 
 
 def length_overrides(name: str, steps: int) -> dict:
-  """Overrides that run `name` for `steps` steps, every schedule stretched alike."""
+  """Overrides that run `name` for `steps` steps, its schedules stretched alike."""
   if not steps:
     return {}
-  # The lr, phase and sparsity schedules are fractions of total_steps; MST's Delta is set by
+  # The cosine decay, the phases (dense fine-tuning, MST's levels) are fractions of total_steps
+  # and stretch; the lr warm-up is a step count (60 on small) and stays. MST's Delta is set by
   # its experiment file from total_steps, so it is stretched here.
   if RUNS[name][0] == "mst":
     return {"total_steps": steps,
@@ -283,6 +291,7 @@ def main(argv=None) -> None:
   text = "\n\n".join(table(run_root, label, plan[label], seeds, args.variant, args.steps)
                      for label, _ in corpora)
   print(text)
+  os.makedirs(run_root, exist_ok=True)
   with open(os.path.join(run_root, "table.md"), "w", encoding="utf-8") as f:
     f.write(text + "\n")
 
