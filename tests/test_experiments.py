@@ -11,6 +11,7 @@ from s24jax import config_files
 from s24jax import config as config_lib
 from s24jax import loop
 from s24jax import train
+from s24jax.methods import registry
 from s24jax.model import GPT2
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -90,3 +91,19 @@ def test_compare_recipes_steps_stretch_every_schedule(monkeypatch):
   assert longer.sparsity.mst.update_every == 3 * default.sparsity.mst.update_every
   assert loaded("ste", 1234).total_steps == 1234
   assert loaded("ste", 0).total_steps == default.total_steps
+
+
+def test_compare_recipes_every_run_sets_the_fields_it_names(monkeypatch):
+  """Each recipe and ablation builds its config, with every override in place (a typo'd key
+  or an invalid value such as an unknown attention pattern fails here, not after a run)."""
+  monkeypatch.syspath_prepend(os.path.join(REPO, "experiments"))
+  import compare_recipes   # pylint: disable=g-import-not-at-top
+  for name in compare_recipes.RUNS:
+    spec, overrides = compare_recipes.run_config(name, "small")
+    cfg = config_files.load_config(spec, overrides)
+    registry.from_config(cfg)   # the method's own checks (e.g. the attention pattern)
+    for key, value in overrides.items():
+      got = cfg
+      for part in key.split("."):
+        got = getattr(got, part)
+      assert tuple(got) == value if isinstance(value, tuple) else got == value, (name, key)
