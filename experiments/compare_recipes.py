@@ -6,8 +6,8 @@
 
 Runs each recipe's `--variant` (default `small`: 4 layers, width 128, UTF-8 bytes; the FFN is
 59% of the training FLOPs) once per seed (`config.seed`: init, batch order, MVUE draws), each
-through `launch.py` in its own workdir under --root (finished runs are reused, so the script
-can be stopped and re-run), `--jobs` at a time, each job pinned to its own CPU core (one XLA
+through `launch.py` in its own workdir under --root/steps<N> (N: the run length; finished
+runs are reused, so the script can be stopped and re-run), `--jobs` at a time, each job pinned to its own CPU core (one XLA
 thread: two jobs use two cores better than one job with two threads). Corpora: the embedded
 Shakespeare, the Python standard library's source (experiments/pystdlib_corpus.py; never used
 for tuning), or NAME=FOLDER (a folder of .txt files, one document per file). The ablations run
@@ -115,6 +115,12 @@ def corpus_overrides(corpus: str, root: str) -> tuple[str, dict]:
 def run_config(name: str, variant: str) -> tuple[str, dict]:
   stem, overrides = RUNS[name]
   return f"experiments/gpt2_{stem}.py:{variant}", overrides
+
+
+def variant_steps(variant: str) -> int:
+  """The variant's own run length (every experiment file keeps it)."""
+  return config_files.load_config(
+      os.path.join(ROOT, "experiments", f"gpt2_dense.py:{variant}"), {}).total_steps
 
 
 def workdir_of(root: str, corpus: str, name: str, seed: int) -> str:
@@ -266,9 +272,11 @@ def main(argv=None) -> None:
   p.add_argument("--jobs", type=int, default=1, help="runs at a time, one core each")
   p.add_argument("--table_only", action="store_true", help="no training: tables of what ran")
   p.add_argument("--steps", type=int, default=0, help="run length (default: the variant's); "
-                 "the runs go under --root/steps<N>")
+                 "the runs go under --root/steps<N> either way")
   args = p.parse_args(argv)
-  run_root = os.path.join(args.root, f"steps{args.steps}") if args.steps else args.root
+  # One folder per run length: a finished run of another length is never taken for this one.
+  steps = args.steps or variant_steps(args.variant)
+  run_root = os.path.join(args.root, f"steps{steps}")
   seeds = [int(s) for s in args.seeds.split(",")]
   names = args.only.split(",") if args.only else list(RECIPES)
   unknown = sorted(set(names) - set(RUNS))
@@ -289,11 +297,11 @@ def main(argv=None) -> None:
   for seed, label, data, name in order:
     workdir = workdir_of(run_root, label, name, seed)
     if not finished(workdir):
-      jobs.append((launch_command(name, seed, args.variant, data, workdir, args.steps),
+      jobs.append((launch_command(name, seed, args.variant, data, workdir, steps),
                    workdir))
   if not args.table_only:
     run_all(jobs, args.jobs)
-  text = "\n\n".join(table(run_root, label, plan[label], seeds, args.variant, args.steps)
+  text = "\n\n".join(table(run_root, label, plan[label], seeds, args.variant, steps)
                      for label, _ in corpora)
   print(text)
   os.makedirs(run_root, exist_ok=True)

@@ -35,7 +35,9 @@ VARIANTS = CPU_VARIANTS + tuple(GPT2_SIZES)
 # The embedded corpus (s24jax/data/text_corpus.py builds it) and its held-out share.
 EMBEDDED_CORPUS = "shakespeare"
 DEFAULT_VAL_FRACTION = 0.1
-SMALL_STEPS = 600
+# 1800: the dense baseline's final val loss then varies by < 0.5 % over seeds on both test
+# corpora (0.25 % Shakespeare, 0.42 % stdlib source; 600 steps: 0.37 % and 0.76 %).
+SMALL_STEPS = 1800
 
 
 def data_config() -> ml_collections.ConfigDict:
