@@ -5,7 +5,8 @@
 Runs, each in its own workdir under --root (finished runs are reused):
   dense                    experiments/gpt2_dense.py
   mst                      experiments/gpt2_mst.py: the reference procedure (every linear layer
-                           and the tied head sparse, strided attention in the middle half)
+                           and the tied head sparse, local ∪ strided attention in the middle
+                           half)
   mst_no_sparse_attention  the same with dense causal attention throughout
   mst_dense_head           the same with the tied embedding / head dense (the 2:4 recipes' set)
   mst_ours_options         our previous variant through the options: dense head, dense start,

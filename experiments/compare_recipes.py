@@ -66,10 +66,10 @@ ABLATIONS = {   # in the order they run (seed-major): the last ones are cut firs
                                       "sparsity.mst.sparse_attention": "causal"}),
     "mst_ffn_only": ("mst", {"sparsity.sparse_layers": ("*/mlp/*",),
                              "sparsity.mst.sparse_attention": "causal"}),
-    # The reference's other sparse mode: each query also sees the l - 1 positions before it
-    # (pure strided hides them, the previous byte included).
-    "mst_head_dense_local": ("mst", {"sparsity.sparse_layers": ("*/attn/*", "*/mlp/*"),
-                                     "sparsity.mst.sparse_attention": "local_strided"}),
+    # Strided attention alone (the experiment file's local ∪ strided without the local part):
+    # each query sees every l-th earlier position only, not the previous one.
+    "mst_head_dense_strided": ("mst", {"sparsity.sparse_layers": ("*/attn/*", "*/mlp/*"),
+                                       "sparsity.mst.sparse_attention": "strided"}),
 }
 # Follow-ups (README, "What the papers claim"): the flip-rate regime at twice the lr.
 LR2X = {"optim.lr": 4e-3, "optim.min_lr": 4e-4}
@@ -91,7 +91,7 @@ ABLATES = {"sr_ste_weights": "sr_ste", "s_ste_no_mvue": "s_ste", "s_ste_no_fp8":
            "s_ste_e5m2_bwd": "s_ste", "mst_head_dense": "mst", "hu2024_auto": "hu2024",
            "venom_latent": "venom", "s_ste_rescale200": "s_ste", "hu2024_no_mvue": "hu2024",
            "mst_head_dense_causal": "mst_head_dense", "mst_ffn_only": "mst_head_dense",
-           "mst_head_dense_local": "mst_head_dense"}
+           "mst_head_dense_strided": "mst_head_dense"}
 ABLATES["s_ste_lr067"] = "ste_lr067"   # paired at the same lower lr
 ABLATES["s_ste_wd0"] = "ste_wd0"
 ABLATES["dense_w64"] = "mst_head_dense"   # the small dense model against MST at its FLOPs

@@ -12,8 +12,11 @@ ultra-sparsification phase (the middle half of the steps) and 70% in the restora
 (piecewise constant). Every 100 steps (25 in the tiny variant; never at step 0) the step's
 gradient drives a topology update and that step's optimizer update is skipped: each layer
 drops its smallest weights (drop fraction 0.3, cosine-annealed) and regrows by gradient
-magnitude (3/4) and at random (1/4), just-dropped weights included. Strided attention
-(stride l) runs during the middle half of training, dense causal attention otherwise. The
+magnitude (3/4) and at random (1/4), just-dropped weights included. Hybrid Sparse Attention:
+during the middle half of training each query attends to the l - 1 positions before it and to
+every l-th position further back (local ∪ strided: the paper's "strided unfactorized" pattern,
+Child et al.'s two strided factors in one mask, the reference code's attn_mode='sparse'); dense
+causal attention otherwise. The
 options that restore our earlier variant (dense head: sparse_layers without 'wte', dense
 start, cosine ramps, ...) are listed in docs/algorithms.md.
 
@@ -33,7 +36,10 @@ def get_config(variant=None):
   config.sparsity.method = "mst"
   # The reference's sparse set: every linear layer and the tied LM head / token embedding.
   config.sparsity.sparse_layers = ("*/attn/*", "*/mlp/*", "wte")
-  config.sparsity.mst.sparse_attention = "strided"
+  # Not 'strided' alone (q - k a multiple of l): it hides the l - 1 previous positions, the
+  # previous token included; on small the val loss then stalls at a bigram model's through the
+  # whole middle half (README, "What the papers claim": mst_head_dense_strided).
+  config.sparsity.mst.sparse_attention = "local_strided"
   config = apply_variant(config, variant)
   config.model.scan_layers = False   # topology updates count weights per (unstacked) layer
   if variant in CPU_VARIANTS:

@@ -35,8 +35,8 @@ def get_config(variant=None):
   config.sparsity.dense_finetune_fraction = 0.3   # 70% sparse, then dense
   # The dense phase starts from the weights the forward used, beta S(W), not the latent W:
   # with S-STE weights the latent W is another function (scale beta ~1.48, no threshold
-  # shift), and starting from it cost 0.44 ± 0.07 % of val loss on small (README, "What the
-  # papers claim").
+  # shift), and starting from it cost val loss on small (README, "What the papers claim":
+  # the venom_latent rows).
   config.sparsity.dense_finetune_init = "projected"
   config = apply_variant(config, variant)
   config.act_sparsity.stats_sequences = 16 if variant in CPU_VARIANTS else 8
