@@ -7,8 +7,9 @@
 Runs each recipe's `--variant` (default `small`: 4 layers, width 128, UTF-8 bytes; the FFN is
 59% of the training FLOPs) once per seed (`config.seed`: init, batch order, MVUE draws), each
 through `launch.py` in its own workdir under --root/steps<N> (N: the run length; finished
-runs are reused, so the script can be stopped and re-run), `--jobs` at a time, each job pinned to its own CPU core (one XLA
-thread: two jobs use two cores better than one job with two threads). Corpora: the embedded
+runs are reused, so the script can be stopped and re-run), `--jobs` at a time, each job pinned
+to its own CPU core (one XLA thread: two jobs use two cores better than one job with two
+threads). Corpora: the embedded
 Shakespeare, the Python standard library's source (experiments/pystdlib_corpus.py; never used
 for tuning), or NAME=FOLDER (a folder of .txt files, one document per file). The ablations run
 on the first corpus only.
@@ -80,7 +81,7 @@ ABLATIONS.update({f"{n}_lr067": (RECIPES[n][0], LR_BY_BETA) for n in ("ste", "s_
 # Weight decay on the latent W (0.1 on every matrix by default): S-STE against STE without it.
 ABLATIONS.update({f"{n}_wd0": (RECIPES[n][0], {"optim.weight_decay": 0.0}) for n in ("ste", "s_ste")})
 # MST's control at its FLOPs: dense at width 64 plans 1/4 of the blocks' matmul FLOPs of width
-# 128 (MST's blocks: 4.02x fewer) with 1/4 of their parameters (MST's end: 0.3 dense).
+# 128 (MST's blocks: ~4x fewer) with 1/4 of their parameters (MST's end: 0.3 dense).
 ABLATIONS["dense_w64"] = ("dense", {"model.d_model": 64})
 RUNS = {**RECIPES, **ABLATIONS}
 BASELINE = {"relu2_dense": None, "venom": "relu2_dense",   # default: against 'dense'
@@ -119,8 +120,8 @@ def run_config(name: str, variant: str) -> tuple[str, dict]:
 
 def variant_steps(variant: str) -> int:
   """The variant's own run length (every experiment file keeps it)."""
-  return config_files.load_config(
-      os.path.join(ROOT, "experiments", f"gpt2_dense.py:{variant}"), {}).total_steps
+  spec, overrides = run_config("dense", variant)
+  return config_files.load_config(os.path.join(ROOT, spec), overrides).total_steps
 
 
 def workdir_of(root: str, corpus: str, name: str, seed: int) -> str:

@@ -16,9 +16,8 @@ magnitude (3/4) and at random (1/4), just-dropped weights included. Hybrid Spars
 during the middle half of training each query attends to the l - 1 positions before it and to
 every l-th position further back (local ∪ strided: the paper's "strided unfactorized" pattern,
 Child et al.'s two strided factors in one mask, the reference code's attn_mode='sparse'); dense
-causal attention otherwise. The
-options that restore our earlier variant (dense head: sparse_layers without 'wte', dense
-start, cosine ramps, ...) are listed in docs/algorithms.md.
+causal attention otherwise. The options that restore our earlier variant (dense head:
+sparse_layers without 'wte', dense start, cosine ramps, ...) are listed in docs/algorithms.md.
 
 The workdir gets metrics.png, mst_schedule.png (target sparsity and the sparsity after every
 update) and final_metrics.json with the run's training FLOPs against the dense run's
