@@ -466,6 +466,15 @@ def test_eval_batches_small_split():
     batches.eval_batches(tokens, batch_size=1, seq_len=50, num_batches=1)
 
 
+def test_bigram_entropy_hand_computed():
+  # Pairs (1,2) (2,1) (1,2) (2,3): after 2 the next token is 1 or 3 (1 bit), after 1 always 2.
+  want = 0.5 * math.log(2)   # P(prev = 2) = 1/2, times H(next | 2) = log 2
+  assert batches.bigram_entropy(np.array([1, 2, 1, 2, 3])) == pytest.approx(want)
+  assert batches.bigram_entropy(np.arange(12) % 3) == pytest.approx(0.0)   # deterministic
+  with pytest.raises(ValueError, match="two tokens"):
+    batches.bigram_entropy(np.array([4]))
+
+
 def test_unigram_entropy_hand_computed():
   # p = (1/2, 1/4, 1/4): H = 1/2 ln 2 + 2 * 1/4 ln 4 = 1.5 ln 2.
   assert batches.unigram_entropy(np.array([7, 7, 3, 9], dtype=np.uint16)) == pytest.approx(

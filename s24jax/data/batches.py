@@ -74,3 +74,17 @@ def unigram_entropy(tokens: np.ndarray) -> float:
     counts[:chunk.size] += chunk
   p = counts[counts > 0] / tokens.size
   return float(-(p * np.log(p)).sum())
+
+
+def bigram_entropy(tokens: np.ndarray) -> float:
+  """Conditional entropy (nats) of a token given the one before it, from the stream's own pair
+  counts: the loss of the best model that sees only the current token (in memory; for the
+  CPU corpora)."""
+  tokens = np.asarray(tokens).reshape(-1).astype(np.int64)
+  if tokens.size < 2:
+    raise ValueError('bigram_entropy needs at least two tokens.')
+  pairs = tokens[:-1] * (int(tokens.max()) + 1) + tokens[1:]
+  _, pair_counts = np.unique(pairs, return_counts=True)
+  _, first_counts = np.unique(tokens[:-1], return_counts=True)
+  h = lambda c: float(-(c / c.sum() * np.log(c / c.sum())).sum())
+  return h(pair_counts) - h(first_counts)   # H(prev, next) - H(prev)
