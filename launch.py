@@ -17,7 +17,7 @@ environment on SLURM, Open MPI, Kubernetes, TPU pods), or give the cluster expli
 
 On CPU hosts the processes talk through gloo (JAX's CPU collectives).
 
-Exit codes (README, "Resuming"):
+Exit codes (docs/resuming.md):
   0   trained to total_steps (or to --config.stop_at_step)
   1   stopped by an error: a non-finite loss, a checkpoint that cannot be saved (a full
       disk) or read, a checkpoint that does not match the config, a backend that cannot run

@@ -55,7 +55,7 @@ RUNS = [
     compare.RunSpec("recipe_refresh40", RECIPE, {"sparsity.t_sr_ste.mask_refresh_drift": 0.0}),
 ]
 
-EXTRA = {"train/sparsity/decay": "lambda", "train/transposable_kept_ratio": "kept_ratio",
+EXTRA = {"train/method/decay": "lambda", "train/transposable_kept_ratio": "kept_ratio",
          "train/mask_refresh/refreshed": "refresh", "train/flip_rate_warning": "flip_warn"}
 
 

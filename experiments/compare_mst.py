@@ -20,7 +20,7 @@ the same factor without the lm head (dense or sparse). The MST workdirs get mst_
 topology update).
 
 The tiny model's 50k-vocabulary head is 94% of its dense FLOPs, so the total moves with the
-head only. Measured: README, "Mixed Sparsity Training"; the paper-scale number is the 124m plan
+head only. Measured: docs/results.md, "Mixed Sparsity Training"; the paper-scale number is the 124m plan
 (`python -m s24jax.flops experiments/gpt2_mst.py:124m`).
 """
 from __future__ import annotations

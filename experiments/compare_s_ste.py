@@ -14,7 +14,7 @@ Runs (each its own workdir under --root; finished ones are reused, not redone):
 
 Every S-STE run sets mvue / fp8 / rescale_every explicitly, so the table does not depend on
 the defaults of experiments/gpt2_s_ste.py. `beta_mean` is the mean over sparse layers of
-the scale at the end (train/sparsity/scale); its value at init is the same for all S-STE
+the scale at the end (train/method/scale); its value at init is the same for all S-STE
 runs (same seed), so a larger one means beta grew.
 
 Expected: S-STE below STE in val loss with a lower flip rate; MVUE and FP8 cost little;
@@ -54,7 +54,7 @@ def beta_table(runs, root: str) -> str:
     path = os.path.join(root, r.name, "metrics.jsonl")
     if not os.path.exists(path):
       continue
-    steps, beta = metrics_lib.series(metrics_lib.read_jsonl(path), "train/sparsity/scale")
+    steps, beta = metrics_lib.series(metrics_lib.read_jsonl(path), "train/method/scale")
     if len(beta):
       mid = len(beta) // 2
       lines.append(f"| {r.name} | {beta[0]:.4f} (step {steps[0]:.0f}) | "
@@ -65,7 +65,7 @@ def beta_table(runs, root: str) -> str:
 
 def main(argv=None) -> None:
   compare.script_main(__doc__.split("\n")[0], RUNS, "runs/compare_s_ste",
-                      extra_keys={"train/sparsity/scale": "beta_mean"}, appendix=beta_table,
+                      extra_keys={"train/method/scale": "beta_mean"}, appendix=beta_table,
                       argv=argv)
 
 

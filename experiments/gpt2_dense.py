@@ -3,7 +3,7 @@
   python launch.py --config experiments/gpt2_dense.py:tiny --workdir runs/dense_tiny
 
 Expected (tiny, 2 CPU cores, ~3 min): final val loss well below the unigram entropy of the
-embedded Shakespeare corpus (see README for the measured numbers). No flip rate: nothing is
+embedded Shakespeare corpus (docs/results.md has the measured numbers). No flip rate: nothing is
 sparse. Variants: tiny, 124m (default), 350m, 774m, 1558m.
 """
 from s24jax.config import apply_variant, base_config

@@ -22,7 +22,7 @@ sparse_layers without 'wte', dense start, cosine ramps, ...) are listed in docs/
 The workdir gets metrics.png, mst_schedule.png (target sparsity and the sparsity after every
 update) and final_metrics.json with the run's training FLOPs against the dense run's
 (flops_reduction, and flops_reduction_no_head without the lm head).
-Measured: README, "Mixed Sparsity Training" (experiments/compare_mst.py and the 124m FLOP
+Measured: docs/results.md, "Mixed Sparsity Training" (experiments/compare_mst.py and the 124m FLOP
 plan). 124m: the paper's setting (seq 1024, l=128).
 """
 from s24jax.config import CPU_VARIANTS, apply_variant, base_config
@@ -37,7 +37,7 @@ def get_config(variant=None):
   config.sparsity.sparse_layers = ("*/attn/*", "*/mlp/*", "wte")
   # Not 'strided' alone (q - k a multiple of l): it hides the l - 1 previous positions, the
   # previous token included; on small the val loss then stalls at a bigram model's through the
-  # whole middle half (README, "What the papers claim": mst_head_dense_strided).
+  # whole middle half (docs/results.md, "What the papers claim": mst_head_dense_strided).
   config.sparsity.mst.sparse_attention = "local_strided"
   config = apply_variant(config, variant)
   config.model.scan_layers = False   # topology updates count weights per (unstacked) layer

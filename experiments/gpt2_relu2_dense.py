@@ -7,7 +7,7 @@ exact zeros; `act/kept_l1/<layer>`: the share of L1 magnitude a V=64, 2:8 mask w
 and plots them in the third panel of metrics.png. Expected (tiny): val loss a little below
 the GELU baseline; about half the activations exactly zero at init (relu of a symmetric
 pre-activation), more at the end; a 2:8 V:N:M mask keeps most of their L1 magnitude (GELU:
-about half). Measured: README, "Activation sparsity". Variants: tiny, 124m (default), 350m,
+about half). Measured: docs/results.md, "Activation sparsity". Variants: tiny, 124m (default), 350m,
 774m, 1558m.
 """
 from s24jax.config import CPU_VARIANTS, apply_variant, base_config

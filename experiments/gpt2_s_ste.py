@@ -10,10 +10,10 @@ amax, fp32 accumulation; simulated on CPU). MVUE exists to make the weight-gradi
 sparse, and only `--config.sparsity.backend=tcgen05` (Blackwell; compiled, never run) has such
 a GEMM: on every other backend MVUE buys nothing yet and costs time (logged once as
 perf/mvue_time_share) and gradient variance. It is on because the paper's recipe has it; its
-loss cost and FP8's, over seeds: README, "Every recipe over seeds".
+loss cost and FP8's, over seeds: docs/results.md, "Every recipe over seeds".
 Ablations:
   --config.sparsity.s_ste.rescale_every=1   recompute beta every step (it grows; logged as
-                                            train/sparsity/scale per layer and its mean)
+                                            train/method/scale per layer and its mean)
   --config.sparsity.mvue=False              exact weight gradient
   --config.sparsity.fp8=False               fp32 (or bf16) GEMMs
   --config.sparsity.fp8_backward_operands=e5m2   W~ and x re-quantized to e5m2 in the

@@ -20,7 +20,7 @@ mask of the latent W; `train/flip_rate_transposable`: of its transposable mask, 
 decays; `train/mask_refresh/changed` (the cached mask's change at a
 refresh), `train/mask_refresh/refreshed` (its log average: the refresh rate),
 `train/transposable_kept_ratio` (the |W| the transposable mask keeps relative to the row-wise
-2:4 mask) and `train/sparsity/decay` (lambda_W) are logged. Measured: README, "Every recipe
+2:4 mask) and `train/method/decay` (lambda_W) are logged. Measured: docs/results.md, "Every recipe
 over seeds" (experiments/compare_recipes.py).
 """
 from s24jax.config import CPU_VARIANTS, apply_variant, base_config
@@ -39,6 +39,6 @@ def get_config(variant=None):
   if variant in CPU_VARIANTS:
     # The CPU variants' lr is 13-20x the paper's: a mask cached for 40 steps goes stale.
     # Refresh it as soon as 0.5% of the plain 2:4 mask has moved since the last refresh
-    # (README, "Hu et al. 2024"); the paper-scale variants keep the paper's fixed 40 steps.
+    # (docs/results.md, "Hu et al. 2024"); the paper-scale variants keep the paper's fixed 40 steps.
     config.sparsity.t_sr_ste.mask_refresh_drift = 0.005
   return apply_variant(config, variant)

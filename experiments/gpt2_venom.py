@@ -16,7 +16,7 @@ plotted in metrics.png.
 
 Expected (tiny): val loss a little above the relu2 dense baseline
 (experiments/gpt2_relu2_dense.py); training with the mask makes the activations more
-V:N:M-friendly (the kept L1 share rises). Measured: README, "Activation sparsity"
+V:N:M-friendly (the kept L1 share rises). Measured: docs/results.md, "Activation sparsity"
 (experiments/compare_venom.py). On a GPU host --config.act_sparsity.backend=pallas selects and
 multiplies with kernels/venom.py (never run natively: no GPU in this project).
 """
@@ -35,7 +35,7 @@ def get_config(variant=None):
   config.sparsity.dense_finetune_fraction = 0.3   # 70% sparse, then dense
   # The dense phase starts from the weights the forward used, beta S(W), not the latent W:
   # with S-STE weights the latent W is another function (scale beta ~1.48, no threshold
-  # shift), and starting from it cost val loss on small (README, "What the papers claim":
+  # shift), and starting from it cost val loss on small (docs/results.md, "What the papers claim":
   # the venom_latent rows).
   config.sparsity.dense_finetune_init = "projected"
   config = apply_variant(config, variant)

@@ -7,7 +7,7 @@ Runs `python -m s24jax.plan --config experiments/gpt2_<method>.py:<size> --gpu G
 are reused) and prints a markdown table: per-device memory, whether it fits, whether XLA had
 to rematerialize, the micro-batch and accumulation, FLOPs per step, and for the cells that do
 not fit as configured, the largest micro-batch per device that does. Needs the CUDA compile
-plugin (requirements-gpu-aot.txt). Measured table: README, "Planning a run".
+plugin (requirements-gpu-aot.txt). Measured table: docs/scaling.md, "Planning a run".
 """
 from __future__ import annotations
 

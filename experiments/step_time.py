@@ -9,7 +9,7 @@ For each variant, the jitted train step of: the dense baseline, the Hu et al. re
 with sparsity.backend 'xla' (2:4 weights multiplied densely) and 'cusparselt' (the sparse
 tensor cores). One device; the micro-batch is the config's and the batch one micro-batch
 (grad_accum_steps=1), so a row is one forward + backward + update. Median of `--steps` timed
-steps after 3 warm-up steps, on random tokens. Prints the table for the README, with the
+steps after 3 warm-up steps, on random tokens. Prints the table for docs/backends.md, with the
 speed-up over dense. Nothing here has run on a GPU yet (no GPU was available to write it).
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from s24jax import config_files, loop, train
+from s24jax import config_files, run_spec, train
 from s24jax import model as model_lib
 
 RECIPES = (("dense", "experiments/gpt2_dense.py", "xla"),
@@ -41,10 +41,11 @@ def step_seconds(path: str, variant: str, backend: str, steps: int) -> dict:
   config = config_files.load_config(
       f"{path}:{variant}", args=[f"sparsity.backend={backend}", f"batch_size={micro}",
                                  "grad_accum_steps=1"])
-  _, model_cfg, tx_fn = loop.build(config)
+  spec = run_spec.RunSpec.build(config)
+  model_cfg = spec.model_cfg
   model = model_lib.GPT2(model_cfg)
-  state = jax.jit(lambda: train.fresh_state(model, tx_fn, 0))()
-  tx = tx_fn(state.params, state.sparsity)
+  state = jax.jit(lambda: spec.fresh_state(0))()
+  tx = spec.tx(state.params, state.sparsity)
   rng = np.random.default_rng(0)
   tokens = jnp.asarray(rng.integers(0, model_cfg.vocab_size, (micro, model_cfg.seq_len)),
                        jnp.int32)

@@ -45,6 +45,7 @@ from jax.experimental import topologies
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import numpy as np
 
+from .cusparselt import library as cusparselt_library
 from .gpu_targets import TARGETS, Target, target
 
 INSTALL_HINT = "pip install -r requirements-gpu-aot.txt"
@@ -192,7 +193,8 @@ def memory_report(compiled) -> dict[str, int]:
   return out
 
 
-def hlo_census(compiled, *, custom_call_prefix: str = "cusparselt") -> dict[str, int]:
+def hlo_census(compiled, *, custom_call_prefix: str = cusparselt_library.PREFIX
+               ) -> dict[str, int]:
   """Counts in the optimized HLO of a compiled step: the custom calls whose target starts
   with `custom_call_prefix` (inside loop bodies counted once, as written), and the
   collectives (all-gather, all-reduce, reduce-scatter, all-to-all, collective-permute)."""

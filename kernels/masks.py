@@ -66,6 +66,20 @@ def nm_mask(w: jax.Array, n: int = 2, m: int = 4) -> jax.Array:
   return (_rank_desc(g) < n).reshape(w.shape)                    # (..., K)
 
 
+def soft_threshold24(w: jax.Array) -> jax.Array:
+  """S-STE's soft threshold S(w) per group of 4 along the last axis, in w's dtype: t = the
+  second-smallest |w_i| of the group, S(w)_i = sign(w_i) max(|w_i| - t, 0). The two largest
+  entries survive, shrunk by t; S is continuous in w (the hard threshold jumps when two
+  magnitudes cross, this does not). The one implementation: the S-STE method and the fused
+  kernel's reference (sparsify24.soft_threshold24_reference) both call it."""
+  check_groupable(w, 4)
+  g = w.reshape(*w.shape[:-1], w.shape[-1] // 4, 4)              # (..., K/4, 4)
+  a = jnp.abs(g)
+  t = jnp.sort(a, axis=-1)[..., 1:2]                               # (..., K/4, 1)
+  s = jnp.sign(g) * jnp.maximum(a - t, 0)
+  return s.reshape(w.shape)                                        # (..., K)
+
+
 def flip_rate(mask_new: jax.Array, mask_old: jax.Array) -> jax.Array:
   """Fraction of entries whose mask bit changed between two steps (docs/algorithms.md, Flip rate: r_t)."""
   return jnp.mean((mask_new != mask_old).astype(jnp.float32))

@@ -199,11 +199,9 @@ def compress24_reference(w: jax.Array, mask: jax.Array | None = None):
 
 
 def soft_threshold24_reference(w: jax.Array, beta=1.0) -> jax.Array:
-  """Dense beta * S(w) (S-STE soft threshold), plain jnp."""
+  """Dense beta * S(w) (S-STE soft threshold, `masks.soft_threshold24`) in float32, cast back."""
   c.check_float_groups("w", w)
-  g = jnp.abs(w.astype(jnp.float32)).reshape(*w.shape[:-1], -1, 4)
-  t = jnp.sort(g, axis=-1)[..., 1:2]
-  s = jnp.sign(w.astype(jnp.float32)) * jnp.maximum(g - t, 0).reshape(w.shape)
+  s = masks.soft_threshold24(w.astype(jnp.float32))
   return (jnp.asarray(beta, jnp.float32) * s).astype(w.dtype)
 
 

@@ -2,7 +2,7 @@
 
 from s24jax.kernels import aot as _aot
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 # With the optional CUDA compile plugin installed (requirements-gpu-aot.txt) on a machine
 # without an NVIDIA driver, jax would try the CUDA backend first and print a long failed

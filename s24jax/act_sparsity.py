@@ -39,7 +39,7 @@ means the activations already were V:N:M sparse, 0.25 (2:8) is what a flat h wou
 `activation_stats(params, sparsity, inputs, model=..., num_sequences=...)` is that forward
 pass (jitted; the LM head is dead code and XLA drops it); the loop calls it on the step's
 batch before the train step at every log step (`config.act_sparsity.stats_sequences`,
-`stats_hooks`).
+`stats_chores`).
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from s24jax import hooks
+from s24jax import chores as chores_lib
 from s24jax.kernels._common import interpret_default
 from s24jax.kernels import masks
 from s24jax.kernels import venom
@@ -315,10 +315,11 @@ def stats_from_intermediates(intermediates: Any) -> dict[str, jax.Array]:
   return out
 
 
-def stats_hooks(config) -> list[hooks.Hook]:
-  """The loop's measurement hook: before the train step of every log step, one extra forward
-  on the first `config.act_sparsity.stats_sequences` sequences of the step's batch (the
-  activations this step trains on), logged at that step; its time is not training time."""
+def stats_chores(config) -> list[chores_lib.Chore]:
+  """The loop's measurement chore: before the train step of every logged step, one extra
+  forward on the first `config.act_sparsity.stats_sequences` sequences of the step's batch
+  (the activations this step trains on), logged with that step's log; its time is not
+  training time."""
   n = int(config.act_sparsity.stats_sequences)
   if not n:
     return []
@@ -326,9 +327,7 @@ def stats_hooks(config) -> list[hooks.Hook]:
   def measure(run):
     stats = activation_stats(run.state.params, run.state.sparsity, run.batch["inputs"],
                              model=run.model, num_sequences=min(n, config.batch_size))
-    run.write(run.step + 1, {k: float(v) for k, v in jax.device_get(stats).items()})
+    run.write(run.info.next_step, {k: float(v) for k, v in jax.device_get(stats).items()})
 
-  def due(step):
-    return hooks.itstime(step + 1, config.log_every, config.total_steps)
-
-  return [hooks.Hook(measure, before_step=True, due=due, name="activation statistics")]
+  return [chores_lib.Chore(measure, before_step=True, due=lambda info: info.log,
+                           name="activation statistics")]

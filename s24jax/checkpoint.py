@@ -1,6 +1,6 @@
 """Orbax checkpoints of the whole train state: save, restore-or-init, always from the workdir.
 
-What happens to each kind of bad checkpoint (README, "Resuming"):
+What happens to each kind of bad checkpoint (docs/resuming.md):
 - one that does not match the config (other shapes, other sparse layers, other method state)
   is never overwritten: restoring raises `CheckpointMismatchError` before anything is
   written, and the workdir is left exactly as it was;

@@ -13,13 +13,24 @@ so `--config.sparsity.t_sr_ste.mask_refresh_every=10` works from the command lin
 mutable ConfigDict lives in launch/config land; the model and the jitted steps close over the
 frozen `model.ModelConfig` built from it (`model.model_config`).
 
-This module imports no data pipeline and no model: `import s24jax.config` is cheap.
+One source per default: the blocks `config.model`, the shared fields of `config.sparsity` and
+`config.act_sparsity` are generated from the frozen dataclasses they are turned into
+(`model.ModelConfig`, `sparse_linear.SparsityConfig`, `act_sparsity.ActSparsityConfig`),
+where each field's comment says what it does, and the method blocks from the methods'
+dataclasses (`registry.config_blocks`). What is written here is what has no dataclass: the
+run (steps, batch, optimizer, data, logging) and the size variants. Importing this module
+therefore imports the model and the methods (jax, flax, optax); it imports no data pipeline.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import ml_collections
 from ml_collections import config_dict
 
+from s24jax import act_sparsity
+from s24jax import model as model_lib
+from s24jax import sparse_linear
 from s24jax.methods import registry
 
 # GPT-2 sizes (Radford et al. 2019; the sizes Hu et al. 2024 train): (layers, heads, width).
@@ -55,6 +66,14 @@ def data_config() -> ml_collections.ConfigDict:
   })
 
 
+def dataclass_block(cls, exclude=(), **values) -> ml_collections.ConfigDict:
+  """A config block with the fields of the frozen dataclass `cls` (its defaults; `values`
+  override them), but `exclude`."""
+  instance = cls(**values) if values else cls()
+  return ml_collections.ConfigDict({f.name: getattr(instance, f.name)
+                                    for f in dataclasses.fields(cls) if f.name not in exclude})
+
+
 def base_config() -> ml_collections.ConfigDict:
   """GPT-2 124M with the Hu et al. 2024 recipe's optimizer and batch, dense, embedded corpus."""
   c = ml_collections.ConfigDict()
@@ -68,55 +87,21 @@ def base_config() -> ml_collections.ConfigDict:
   # shards parameters, optimizer and sparsity state ZeRO-3 style; the batch splits over both.
   c.mesh = ml_collections.ConfigDict({"data": -1, "fsdp": 1})
 
-  c.model = ml_collections.ConfigDict()
-  c.model.vocab_size = 50304      # GPT-2's 50257 padded to a multiple of 64
-  c.model.seq_len = 1024
-  c.model.num_layers, c.model.num_heads, c.model.d_model = GPT2_SIZES["124m"]
-  c.model.mlp_ratio = 4.0
-  c.model.activation = "gelu"     # gelu, relu, relu2, geglu, swiglu
-  c.model.dtype = "auto"          # bfloat16 on GPU/TPU, float32 on CPU
-  c.model.attention = "causal"    # outside MST's sparse-attention window (attention_masks.py)
-  c.model.attention_stride = 128  # l of the strided / local_strided patterns
-  # Memory (s24jax/model.py): attention kernel ('auto': cuDNN flash attention for causal
-  # attention on a GPU, XLA otherwise), per-block rematerialization ('none', 'full',
-  # 'save_dots'), chunked loss (tokens per chunk; 0: the plain (B, T, V) f32 logits).
-  c.model.attention_impl = "auto"
-  c.model.remat = "none"
-  c.model.loss_chunk = 0
-  c.model.scan_layers = False     # blocks under nn.scan: compile time independent of depth
+  # The model (model.ModelConfig's fields: GPT-2 124M).
+  c.model = dataclass_block(model_lib.ModelConfig, exclude=model_lib.MODEL_BLOCK_EXCLUDE)
 
-  c.sparsity = ml_collections.ConfigDict()
-  c.sparsity.method = "dense"            # the method: registry.available_methods()
-  c.sparsity.sparse_layers = ("*/mlp/*",)    # globs over module paths: both FFN matrices
-  # The sparse layers' GEMMs (s24jax/sparse_ops.py): 'xla' (reference), 'pallas' (Pallas
-  # kernels where they are expected to win: GPU, few tokens), 'pallas_always'.
-  c.sparsity.backend = "xla"
-  # Weight gradient from the unbiased MVUE 2:4 estimate of dY^T along the tokens (Hu et al.
-  # 2024, S-STE); needs batch x seq_len % 4 == 0.
-  c.sparsity.mvue = False
-  c.sparsity.fp8 = False                     # FP8 GEMMs in the sparse layers (s24jax/fp8.py)
-  # FP8 backward GEMMs' W~ / x: 'e4m3' (as forward) or 'e5m2' (S-STE reference; 'xla' only).
-  c.sparsity.fp8_backward_operands = "e4m3"
-  c.sparsity.dense_finetune_fraction = 0.0   # the last fraction of steps trains dense
-  # Dense fine-tuning starts from the 'latent' W (the reference code: pruned weights come
-  # back) or the 'projected' W~ (the sparse network itself: no loss jump at the switch).
-  c.sparsity.dense_finetune_init = "latent"
-  # Warning (log + train/flip_rate_warning) when the global flip rate stays above this for
-  # `flip_rate_warn_patience` consecutive logs; 0 turns it off (s24jax/flip_monitor.py).
-  c.sparsity.flip_rate_warn = 0.05
-  c.sparsity.flip_rate_warn_patience = 5
-  for name, block in registry.config_blocks().items():   # each method's hyper-parameters
+  # What is sparse and how (sparse_linear.SparsityConfig's fields), the method by name
+  # (registry.available_methods()), and each method's hyper-parameters as its own block.
+  c.sparsity = dataclass_block(sparse_linear.SparsityConfig, exclude=("method",))
+  c.sparsity.method = "dense"
+  for name, block in registry.config_blocks().items():
     if block:
       c.sparsity[name] = ml_collections.ConfigDict(block)
 
-  # V:N:M activation sparsity of the FFN hidden activations (Haziza et al.; act_sparsity.py).
-  c.act_sparsity = ml_collections.ConfigDict()
-  c.act_sparsity.kind = "none"    # 'none' or 'venom'
-  c.act_sparsity.v = 64           # token rows per block
-  c.act_sparsity.n = 2            # kept per row of the block's 4 chosen columns
-  c.act_sparsity.m = 8            # hidden columns per block: density n / m
-  c.act_sparsity.backend = "xla"  # 'xla' (reference) or 'pallas' (kernels/venom.py)
-  # Statistics at every log step: one extra forward on this many sequences; 0 = off.
+  # V:N:M activation sparsity of the FFN hidden activations (Haziza et al.; the fields of
+  # act_sparsity.ActSparsityConfig), and its statistics at every log step: one extra forward
+  # on `stats_sequences` sequences; 0 = off.
+  c.act_sparsity = dataclass_block(act_sparsity.ActSparsityConfig)
   c.act_sparsity.stats_sequences = 0
 
   c.optim = ml_collections.ConfigDict()
@@ -142,11 +127,14 @@ def base_config() -> ml_collections.ConfigDict:
 
 
 def apply_variant(c: ml_collections.ConfigDict, variant: str | None) -> ml_collections.ConfigDict:
-  """Applies a size variant: None/'124m' (paper scale), '350m', '774m', '1558m', 'tiny'.
+  """Applies a size variant (VARIANTS): the paper-scale GPT-2 sizes None/'124m', '350m',
+  '774m', '1558m' (GPT2_SIZES, with the memory settings of 8 GPUs), or a CPU variant:
 
-  'tiny' is a CPU smoke recipe: a 2-layer, 128-wide GPT-2 on 16 x 64 tokens per step that
-  trains in a few minutes on two cores and ends well below the unigram entropy of the
-  embedded corpus.
+  'tiny'   a smoke recipe: a 2-layer, 128-wide GPT-2 with the BPE vocabulary on 16 x 64
+           tokens per step; a few minutes on two cores, its 50k-token head is 94% of the
+           FLOPs;
+  'small'  the CPU test bed of the recipe comparisons (`_small`): 4 layers of width 128 on
+           UTF-8 bytes, the FFN most of the FLOPs, SMALL_STEPS steps.
   """
   variant = variant or "124m"
   if variant not in VARIANTS:
@@ -157,7 +145,7 @@ def apply_variant(c: ml_collections.ConfigDict, variant: str | None) -> ml_colle
     # (8 per GPU), 8 accumulation steps; blocks scanned (compile time independent of depth),
     # matmul outputs kept and the rest recomputed, the loss chunked. 774M and 1.5B shard
     # their state over every device (ZeRO-3). `python -m s24jax.plan` checks a GPU count:
-    # README, "Planning a run".
+    # docs/scaling.md, "Planning a run".
     c.grad_accum_steps = 8
     c.model.scan_layers = True
     c.model.remat = "save_dots"
@@ -189,7 +177,7 @@ def _small(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   sparse) is most of the model and of the training FLOPs (`python -m s24jax.flops
   experiments/gpt2_dense.py:small`), unlike `tiny`, whose 50k-token head is 94% of both.
   Sized so that one run takes a few minutes on one CPU core and the dense baseline's val loss
-  varies little across seeds (README, "Results on the small config").
+  varies little across seeds (docs/results.md).
   """
   c.data.tokenizer = "bytes"
   c.model.vocab_size = 320        # 257 byte ids padded to a multiple of 64

@@ -39,6 +39,7 @@ class FlipRateMonitor:
       logging.warning(
           "step %d: flip rate %.3g has been above sparsity.flip_rate_warn=%.3g for %d "
           "consecutive logs: the 2:4 mask keeps churning (unstable sparse training?); "
-          "consider a larger masked decay (sparsity.decay) or a lower learning rate.",
+          "consider a larger masked decay lambda_W (sparsity.sr_ste.decay or "
+          "sparsity.t_sr_ste.decay, or their decay_auto) or a lower learning rate.",
           step, flip_rate, self.threshold, self.streak)
     return float(self.streak >= self.patience)

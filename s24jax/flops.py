@@ -36,18 +36,12 @@ import dataclasses
 import sys
 from typing import Any, Mapping
 
-import flax
-import jax
-import jax.numpy as jnp
-import numpy as np
-from flax import traverse_util
-
 from s24jax import attention_masks
 from s24jax import config_files
-from s24jax import model as model_lib
 from s24jax import phases
 from s24jax import state as state_lib
 from s24jax.methods import base as methods_base
+from s24jax.run_spec import RunSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,15 +61,6 @@ class StepFlops:
   def __add__(self, other: "StepFlops") -> "StepFlops":
     return StepFlops(*(getattr(self, f.name) + getattr(other, f.name)
                        for f in dataclasses.fields(self)))
-
-
-def linear_kernel_shapes(params: Any) -> dict[str, tuple[int, int]]:
-  """(out, in) of every linear kernel in the params ('h_0/attn/qkv' -> (3C, C)); embeddings,
-  positions, norms and biases are not kernels. The stacked (L, out, in) kernels of scanned
-  blocks count as (L * out, in): the same FLOPs."""
-  flat = traverse_util.flatten_dict(flax.core.unfreeze(params))
-  return {"/".join(k[:-1]): (int(np.prod(v.shape[:-1])), v.shape[-1]) for k, v in flat.items()
-          if k[-1] == "kernel" and len(v.shape) in (2, 3)}
 
 
 def attention_flops(model_cfg, attention: str, *, batch_size: int, seq_len: int) -> float:
@@ -174,21 +159,6 @@ def summary(acct: Accountant) -> dict[str, float]:
           "flops_update": t.update, "flops_steps": acct.steps}
 
 
-def model_shapes(config) -> tuple[Any, dict[str, tuple[int, int]], dict[str, tuple[int, int]]]:
-  """(ModelConfig, all linear kernel shapes, sparse ones) of `config`, without allocating."""
-  model_cfg = model_lib.model_config(config)
-  tokens = jax.ShapeDtypeStruct((1, model_cfg.seq_len), jnp.int32)
-  variables = jax.eval_shape(lambda t: model_lib.GPT2(model_cfg).init(jax.random.PRNGKey(0), t),
-                             tokens)
-  shapes = linear_kernel_shapes(variables["params"])
-  sparsity = variables.get("sparsity", {})
-  masked = {}
-  for p in state_lib.sparse_layer_paths(sparsity):   # linear kernels, and the tied head
-    layer = state_lib.get_path(variables["params"], p)
-    masked[state_lib.layer_name(p)] = tuple(layer[state_lib.weight_name(layer)].shape)
-  return model_cfg, shapes, masked
-
-
 def dense_flops_per_token(model_cfg, shapes: Mapping[str, tuple[int, int]]) -> float:
   """Training FLOPs per token of the dense model with causal attention (for MFU)."""
   step = step_flops(model_cfg, shapes, {}, batch_size=1, seq_len=model_cfg.seq_len,
@@ -196,18 +166,19 @@ def dense_flops_per_token(model_cfg, shapes: Mapping[str, tuple[int, int]]) -> f
   return step.total / model_cfg.seq_len
 
 
-def planned(config, upto: int | None = None) -> Accountant:
-  """The accountant of steps [0, upto) of `config` (default: all), from the method's schedule
-  alone (`phases.model_at`, `DynamicDensity.active_weights`). MST's active counts follow
-  from its plan, so this is what the loop logs; a resumed run starts its accountant from
-  here."""
-  model_cfg, shapes, masked = model_shapes(config)
-  acct = Accountant(model_cfg, shapes, batch_size=config.batch_size,
-                    seq_len=config.model.seq_len)
-  upto = config.total_steps if upto is None else min(upto, config.total_steps)
-  facts = methods_base.RunFacts.from_config(config)
+def planned(spec: RunSpec, upto: int | None = None) -> Accountant:
+  """The accountant of steps [0, upto) of the run `spec` (default: all), from the method's
+  schedule alone (`phases.model_at`, `DynamicDensity.active_weights`). MST's active counts
+  follow from its plan, so this is what the loop logs; a resumed run starts its accountant
+  from here."""
+  config = spec.config
+  acct = Accountant(spec.model_cfg, spec.kernel_shapes, batch_size=config.batch_size,
+                    seq_len=spec.model_cfg.seq_len)
+  total = spec.facts.total_steps
+  upto = total if upto is None else min(upto, total)
+  masked = spec.sparse_shapes
   for step in range(upto):
-    acct.add_step(phases.model_at(step, model_cfg, facts), step, masked)
+    acct.add_step(phases.model_at(step, spec.model_cfg, spec.facts), step, masked)
   return acct
 
 
@@ -219,7 +190,7 @@ def _main(argv) -> None:
     config = config_files.load_config(argv[1], args=argv[2:])
   except config_files.OverrideError as e:
     raise SystemExit(f"s24jax.flops: {e}") from None
-  s = summary(planned(config))
+  s = summary(planned(RunSpec.build(config)))
   for k, v in s.items():
     print(f"{k:26s} {v:.4g}")
 

@@ -1,11 +1,12 @@
-"""`train_and_evaluate(config, workdir)`: the training loop, a few lines around hooks.
+"""`train_and_evaluate(config, workdir)`: the training loop, a few lines around chores.
 
-Set-up (`Run.create`) builds the data, the models, the optimizer and the state (restored from
-the workdir if it holds a checkpoint). The loop then, for every step: picks the step's model
-(the method's phases: dense fine-tuning, attention windows; one compiled step per distinct
-model), runs the due "before" hooks, the jitted train step, and the due "after" hooks: log,
-eval, checkpoint, FLOP accounting, activation statistics and the method's own chores
-(s24jax/hooks.py). Nothing here names a method.
+Set-up (`Run.create`) builds the run once (`RunSpec`: the method, the model config, the
+facts, the state's shapes), the data and the state (restored from the workdir if it holds a
+checkpoint). The loop then, for every step: decides what the step is (`StepInfo`: its index,
+whether it is logged), picks the step's model (the method's phases: dense fine-tuning,
+attention windows; one compiled step per distinct model), runs the due "before" chores, the
+jitted train step, and the due "after" chores: log, eval, checkpoint, FLOP accounting,
+activation statistics and the method's own (s24jax/chores.py). Nothing here names a method.
 """
 from __future__ import annotations
 
@@ -25,21 +26,21 @@ from jax.experimental import multihost_utils
 from s24jax import checkpoint as ckpt_lib
 from s24jax.data import batches
 from s24jax.data import cache
+from s24jax import chores as chores_lib
 from s24jax import flops as flops_lib
-from s24jax import hooks
 from s24jax import measure
 from s24jax import phases
 from s24jax import preemption
 from s24jax import metrics as metrics_lib
 from s24jax import model as model_lib
-from s24jax import optim
 from s24jax import schedules
 from s24jax import sharding
 from s24jax import state as state_lib
 from s24jax import train
 from s24jax import workdir as workdir_lib
 from s24jax.methods import base as methods_base
-from s24jax.methods import registry
+from s24jax.run_spec import RunSpec
+from s24jax.step_info import StepInfo
 
 
 class NonFiniteError(RuntimeError):
@@ -96,35 +97,22 @@ def check_batch(config, num_devices: int) -> None:
                      f"is not divisible by the {num_devices} devices")
 
 
-def build(config: ml_collections.ConfigDict):
-  """The run's method, its model config, and the optimizer factory tx_fn(params, sparsity)."""
-  method = registry.from_config(config)
-  model_cfg = model_lib.model_config(config, method)
-
-  def tx_fn(params, sparsity):
-    return optim.make_optimizer(config, state_lib.is_sparse_kernel(params, sparsity), method)
-
-  return method, model_cfg, tx_fn
-
-
 @dataclasses.dataclass
 class Run:
-  """The run as the loop holds it; the hooks see it through `hooks.Context`."""
-  config: ml_collections.ConfigDict
-  facts: methods_base.RunFacts      # the frozen facts the method and the phases read
+  """The run as the loop holds it; the chores see it through `chores.Context`."""
+  spec: RunSpec                     # what the run trains, built once
   workdir: str
   partitioner: sharding.Partitioner
   data: Any
-  method: methods_base.Method       # the run's method
-  base_cfg: model_lib.ModelConfig   # the run's model (the method's, before any phase)
   model_cfg: model_lib.ModelConfig  # the model of the current step (s24jax/phases.py)
   tx: Any
   state: Any
   ckpt: ckpt_lib.Checkpointer
   writer: metrics_lib.MetricWriter
   step: int = 0                     # optimizer steps done (= the index of the next step)
+  info: StepInfo | None = None      # the step in flight (chores see it before and after)
   batch: Any = None
-  clock: hooks.Clock = dataclasses.field(default_factory=hooks.Clock)
+  clock: chores_lib.Clock = dataclasses.field(default_factory=chores_lib.Clock)
   pending: list = dataclasses.field(default_factory=list)   # metrics since the last log
   last_log: dict = dataclasses.field(default_factory=dict)
   final: dict = dataclasses.field(default_factory=dict)
@@ -132,8 +120,26 @@ class Run:
   _models: dict = dataclasses.field(default_factory=dict)
 
   @property
+  def config(self) -> ml_collections.ConfigDict:
+    return self.spec.config
+
+  @property
+  def facts(self) -> methods_base.RunFacts:
+    return self.spec.facts
+
+  @property
+  def method(self) -> methods_base.Method:
+    """The run's method (a phase may train another model: `model_cfg`)."""
+    return self.spec.method
+
+  @property
+  def base_cfg(self) -> model_lib.ModelConfig:
+    """The run's model (the method's, before any phase)."""
+    return self.spec.model_cfg
+
+  @property
   def total(self) -> int:
-    return int(self.config.total_steps)
+    return self.facts.total_steps
 
   @property
   def model(self) -> model_lib.GPT2:
@@ -165,18 +171,18 @@ class Run:
     os.makedirs(workdir, exist_ok=True)
     partitioner = sharding.Partitioner(sharding.make_mesh(config.mesh))
     check_batch(config, jax.device_count())
-    method, model_cfg, tx_fn = build(config)
-    facts = methods_base.RunFacts.from_config(config)
-    init = lambda: train.fresh_state(model_lib.GPT2(model_cfg), tx_fn, config.seed)  # pylint: disable=unnecessary-lambda-assignment
-    fresh = jax.jit(init, out_shardings=partitioner.state_shardings(jax.eval_shape(init)))()
+    spec = RunSpec.build(config)
+    fresh = jax.jit(spec.fresh_state,
+                    out_shardings=partitioner.state_shardings(spec.abstract_state))()
     ckpt = ckpt_lib.Checkpointer(workdir, keep=config.keep_checkpoints)
     state = ckpt.restore_or_init(fresh)
     step = int(state.step)
-    # The model the last step trained, so that resuming into a new phase enters it.
-    current = phases.model_at(step - 1, model_cfg, facts) if step else model_cfg
-    run = cls(config=config, facts=facts, workdir=workdir, partitioner=partitioner,
-              data=load_tokens(config), method=method, base_cfg=model_cfg, model_cfg=current,
-              tx=tx_fn(fresh.params, fresh.sparsity), state=state, ckpt=ckpt,
+    # The model the last step (index step - 1) trained, so that resuming into a new phase
+    # enters it.
+    current = phases.model_at(step - 1, spec.model_cfg, spec.facts) if step else spec.model_cfg
+    run = cls(spec=spec, workdir=workdir, partitioner=partitioner,
+              data=load_tokens(config), model_cfg=current,
+              tx=spec.tx(fresh.params, fresh.sparsity), state=state, ckpt=ckpt,
               writer=metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0,
                                               resume_step=step),
               step=step)
@@ -204,20 +210,21 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         return json.load(f)
     if primary:
       workdir_lib.write_config(workdir, config, run.step)
-    chores = standard_hooks(run)
+    chores = standard_chores(run)
     bar = tqdm(total=run.total, initial=run.step, dynamic_ncols=True, mininterval=1.0,
                disable=not primary)
     try:
       while run.step < run.total and run.step != config.stop_at_step:
+        run.info = StepInfo.at(run.step, log_every=config.log_every, total=run.total)
         run.set_model(run.step)
         run.batch = shard_batch(local_batch(run.data.train, config, run.step), run.partitioner)
-        hooks.run_hooks(run, chores, before_step=True)
-        run.state, metrics = train.train_step(run.state, run.batch, model=run.model, tx=run.tx,
-                                              accum_steps=config.grad_accum_steps,
+        chores_lib.run_chores(run, chores, before_step=True)
+        run.state, metrics = train.train_step(run.state, run.batch, run.info, model=run.model,
+                                              tx=run.tx, accum_steps=config.grad_accum_steps,
                                               partitioner=run.partitioner)
         run.pending.append(metrics)
-        run.step += 1
-        hooks.run_hooks(run, chores, before_step=False)
+        run.step = run.info.next_step
+        chores_lib.run_chores(run, chores, before_step=False)
         bar.set_postfix(run.postfix, refresh=False)
         bar.update(1)
         if run.step < run.total and guard.should_stop(run.step):
@@ -288,12 +295,12 @@ def _load_pending(workdir: str, step: int) -> list[dict]:
 # The loop's own chores.
 
 
-def standard_hooks(run: Run) -> list[hooks.Hook]:
-  """Log, then the method's and the statistics' hooks, eval, checkpoint, the end of the run."""
+def standard_chores(run: Run) -> list[chores_lib.Chore]:
+  """Log, then the method's and the statistics' chores, eval, checkpoint, the end of the run."""
   config = run.config
-  flops = flops_lib.planned(config, upto=run.step)   # resumed runs continue the count
-  _, shapes, masked = flops_lib.model_shapes(config)
-  fpt = flops_lib.dense_flops_per_token(run.model_cfg, shapes)
+  flops = flops_lib.planned(run.spec, upto=run.step)   # resumed runs continue the count
+  masked = run.spec.sparse_shapes
+  fpt = flops_lib.dense_flops_per_token(run.model_cfg, run.spec.kernel_shapes)
   peak = config.peak_flops or metrics_lib.device_peak_flops()
   lr_fn = jax.jit(schedules.learning_rate(config.optim, config.total_steps))
   unigram = batches.unigram_entropy(run.data.train)
@@ -315,13 +322,13 @@ def standard_hooks(run: Run) -> list[hooks.Hook]:
                                      num_batches=config.eval_batches)
 
   def count_flops(run):
-    flops.add_step(run.model_cfg, run.step, masked)
+    flops.add_step(run.model_cfg, run.info.step, masked)
 
   def log(run):
     pending, run.pending = jax.device_get(run.pending), []   # waits for the steps
     check_finite(run, pending)
     scalars = summarise(pending, run.clock.lap(), fpt, peak)
-    scalars["train/lr"] = float(lr_fn(run.step - 1))
+    scalars["train/lr"] = float(lr_fn(run.info.step))   # the lr of the step just taken
     scalars["train/dense_phase"] = float(run.method.sparse and not run.sparse_phase)
     scalars.update(flops.scalars())
     run.write(run.step, scalars)
@@ -348,15 +355,15 @@ def standard_hooks(run: Run) -> list[hooks.Hook]:
     run.final.update(flops_lib.summary(flops))
     run.final["step"] = run.step
 
-  Hook = hooks.Hook   # pylint: disable=invalid-name
+  Chore = chores_lib.Chore   # pylint: disable=invalid-name
   return [
-      Hook(count_flops, every=1, before_step=True, training=True, name="FLOPs"),
+      Chore(count_flops, every=1, before_step=True, training=True, name="FLOPs"),
       *measure.chores(config),
-      Hook(log, every=config.log_every, training=True, name="log"),
+      Chore(log, due=lambda info: info.log, training=True, name="log"),
       *run.method.chores(run.facts),
-      Hook(evaluate_, every=config.eval_every, name="eval"),
-      Hook(checkpoint, every=config.checkpoint_every, name="checkpoint"),
-      Hook(finish, due=lambda step: step == run.total, name="plot and finals"),
+      Chore(evaluate_, every=config.eval_every, name="eval"),
+      Chore(checkpoint, every=config.checkpoint_every, name="checkpoint"),
+      Chore(finish, due=lambda info: info.next_step == run.total, name="plot and finals"),
   ]
 
 
@@ -384,12 +391,12 @@ def summarise(pending: list[dict], seconds: float, flops_per_token: float,
               peak: float | None) -> dict[str, float]:
   """Host-side reduction of the fetched metrics of one log interval: the mean loss per token,
   the mean of every other metric over the steps that measured it (NaN = no measurement),
-  except method state ('sparsity/...'), which is its latest value."""
+  except method state ('method/...', methods.base.STATE_METRICS), which is its latest value."""
   out = {"train/loss": float(sum(m["loss"] for m in pending) / sum(m["count"] for m in pending))}
   for k in pending[-1]:
     if k in ("loss", "count", "finite"):
       continue
-    if k.startswith("sparsity/"):
+    if k.startswith(methods_base.STATE_METRICS):
       out[f"train/{k}"] = float(pending[-1][k])
       continue
     values = np.asarray([m[k] for m in pending], np.float64)

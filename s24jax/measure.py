@@ -1,4 +1,4 @@
-"""Measurement hooks of the loop: what optional features cost and do, logged with the run.
+"""Measurement chores of the loop: what optional features cost and do, logged with the run.
 
 - Activation statistics (`act_sparsity.stats_sequences` > 0): the exact-zero share of the FFN
   activations and the L1 share a V:N:M mask keeps (s24jax/act_sparsity.py).
@@ -18,18 +18,18 @@ import time
 import jax
 
 from s24jax import act_sparsity
-from s24jax import hooks
+from s24jax import chores as chores_lib
 from s24jax import model as model_lib
 from s24jax import train
 
 MVUE_REPEATS = 5
 
 
-def chores(config) -> list[hooks.Hook]:
-  return [*act_sparsity.stats_hooks(config), *mvue_cost_hooks(config)]
+def chores(config) -> list[chores_lib.Chore]:
+  return [*act_sparsity.stats_chores(config), *mvue_cost_chores(config)]
 
 
-def mvue_cost_hooks(config) -> list[hooks.Hook]:
+def mvue_cost_chores(config) -> list[chores_lib.Chore]:
   if not config.sparsity.mvue:
     return []
 
@@ -52,8 +52,9 @@ def mvue_cost_hooks(config) -> list[hooks.Hook]:
         times[mvue].append(time.perf_counter() - start)
     seconds = {mvue: sorted(t)[len(t) // 2] for mvue, t in times.items()}   # medians
     extra = seconds[True] - seconds[False]
-    run.write(run.step, {"perf/mvue_seconds": extra,
-                         "perf/mvue_time_share": extra / seconds[True]})
+    run.write(run.info.next_step, {"perf/mvue_seconds": extra,
+                                   "perf/mvue_time_share": extra / seconds[True]})
 
-  return [hooks.Hook(measure, due=lambda step: step == int(config.log_every),
-                         name="MVUE cost")]
+  # After the first logged step.
+  return [chores_lib.Chore(measure, due=lambda info: info.next_step == int(config.log_every),
+                           name="MVUE cost")]

@@ -2,7 +2,9 @@
 
 All linear layers are `SparseLinear`; the FFN's are 2:4 sparse by default
 (`SparsityConfig.sparse_layers`). Parameters are float32; `ModelConfig.dtype` is the
-compute dtype.
+compute dtype. `ModelConfig`'s fields (but `sparsity` and `act`) are the config block
+`config.model`, generated from here (s24jax/config.py): each default and its comment live on
+the field, once.
 """
 from __future__ import annotations
 
@@ -34,17 +36,21 @@ REMAT_POLICIES = {"none": None, "full": None,
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """GPT-2 hyper-parameters and what is sparse (frozen: the model closes over it)."""
+  """GPT-2 hyper-parameters and what is sparse (frozen: the model closes over it). The
+  defaults are GPT-2 124M, dense."""
   vocab_size: int = 50304     # GPT-2's 50257 padded to a multiple of 64
   seq_len: int = 1024
   num_layers: int = 12
   num_heads: int = 12
   d_model: int = 768
-  mlp_ratio: float = 4.0
-  activation: str = "gelu"
-  dtype: str = "float32"      # compute dtype; parameters stay float32
+  mlp_ratio: float = 4.0      # FFN hidden size = mlp_ratio * d_model
+  activation: str = "gelu"    # ACTIVATIONS: gelu, relu, relu2, geglu, swiglu
+  # The compute dtype ('float32', 'bfloat16', ...); parameters stay float32. 'auto':
+  # bfloat16 on GPU/TPU, float32 on CPU (compute_dtype).
+  dtype: str = "auto"
   # Attention pattern (s24jax/attention_masks.py): 'causal' (dense), or MST's Hybrid Sparse
-  # Attention patterns 'strided' / 'local_strided' with stride (and local window) l.
+  # Attention patterns 'strided' / 'local_strided' with stride (and local window) l; outside
+  # MST's sparse-attention window.
   attention: str = "causal"
   attention_stride: int = 128
   # 'xla', 'cudnn' (fused flash attention: no (T, T) probabilities kept; GPU, causal only),
@@ -55,8 +61,8 @@ class ModelConfig:
   # time stops growing with depth. Per-layer state is stacked the same way.
   scan_layers: bool = False
   loss_chunk: int = 0         # tokens per chunk of the chunked loss; 0: plain (B, T, V) logits
-  sparsity: SparsityConfig = SparsityConfig()
-  act: ActSparsityConfig = ActSparsityConfig()
+  sparsity: SparsityConfig = SparsityConfig()   # config.sparsity (s24jax/sparse_linear.py)
+  act: ActSparsityConfig = ActSparsityConfig()  # config.act_sparsity (act_sparsity.py)
 
   @property
   def mlp_hidden(self) -> int:
@@ -97,19 +103,24 @@ class ModelConfig:
     return f"{self.sparsity.method.name}{act} | {self.num_layers}L {self.d_model}d"
 
 
+# The fields of a config block that are not a dataclass's (they configure something else).
+MODEL_BLOCK_EXCLUDE = ("sparsity", "act")     # ModelConfig: the other two blocks
+
+
+def _fields(cls, block, exclude=()) -> dict:
+  """The values of `cls`'s fields in a config block (lists back to tuples)."""
+  names = [f.name for f in dataclasses.fields(cls) if f.name not in exclude]
+  return {k: (tuple(block[k]) if isinstance(block[k], list) else block[k]) for k in names}
+
+
 def model_config(config: ml_collections.ConfigDict,
                  method: methods_base.Method | None = None) -> ModelConfig:
   """The frozen model config of a run config; `method` defaults to registry.from_config."""
-  sp = config.sparsity
   sparsity = SparsityConfig(method=method or registry.from_config(config),
-                            sparse_layers=tuple(sp.sparse_layers), backend=sp.backend,
-                            mvue=sp.mvue, fp8=sp.fp8,
-                            fp8_backward_operands=sp.fp8_backward_operands,
-                            dense_finetune_init=sp.dense_finetune_init)
-  act = {k: v for k, v in config.act_sparsity.items() if k != "stats_sequences"}
-  return ModelConfig(**{k: (tuple(v) if isinstance(v, list) else v)
-                        for k, v in config.model.items()},
-                     sparsity=sparsity, act=ActSparsityConfig(**act))
+                            **_fields(SparsityConfig, config.sparsity, exclude=("method",)))
+  return ModelConfig(**_fields(ModelConfig, config.model, exclude=MODEL_BLOCK_EXCLUDE),
+                     sparsity=sparsity, act=ActSparsityConfig(**_fields(
+                         ActSparsityConfig, config.act_sparsity)))
 
 
 def compute_dtype(name: str) -> jnp.dtype:
@@ -214,8 +225,9 @@ def blocks(cfg: ModelConfig, x: jax.Array) -> jax.Array:
   block = ScannedBlock if cfg.remat == "none" else nn.remat(ScannedBlock, policy=policy,
                                                              prevent_cse=False)
   scanned = nn.scan(block, length=cfg.num_layers,
-                    variable_axes={"params": 0, "sparsity": 0, "intermediates": 0},
-                    split_rngs={"params": True, "sparsity": True})
+                    variable_axes={"params": 0, "sparsity": 0, "prepared": 0,
+                                   "intermediates": 0},
+                    split_rngs={"params": True, "mvue": True})
   x, _ = scanned(cfg, name="h")(x, None)
   return x
 

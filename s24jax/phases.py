@@ -18,17 +18,17 @@ from s24jax import state as state_lib
 from s24jax.methods import base
 
 
-def dense_finetune_start(run: base.RunFacts) -> int:
+def dense_finetune_start(facts: base.RunFacts) -> int:
   """First step of dense fine-tuning (total_steps when there is none)."""
-  return run.total_steps - int(round(run.dense_finetune_fraction * run.total_steps))
+  return facts.total_steps - int(round(facts.dense_finetune_fraction * facts.total_steps))
 
 
-def model_at(step: int, model_cfg, run: base.RunFacts):
+def model_at(step: int, model_cfg, facts: base.RunFacts):
   """The model of `step`, from the run's model `model_cfg` (whose method is the run's)."""
   method = model_cfg.sparsity.method
   if isinstance(method, base.ModelPhases):
     model_cfg = method.model_at(step, model_cfg)
-  if method.sparse and step >= dense_finetune_start(run):
+  if method.sparse and step >= dense_finetune_start(facts):
     model_cfg = model_cfg.dense_twin()
   return model_cfg
 

@@ -25,7 +25,7 @@ compiles the real `train.train_step`, sharded over `--devices` compile-only GPUs
 
 It is also a compile-only check: a config that does not compile for the GPU fails here with
 XLA's error. Exit code: 0 if it fits, 1 if it compiles but does not fit, 2 on errors.
-Compile-time facts and limits: kernels/aot.py; the measured table is in the README.
+Compile-time facts and limits: kernels/aot.py; the measured table is in docs/scaling.md.
 """
 from __future__ import annotations
 
@@ -90,11 +90,12 @@ class Planner:
     # Imported here, after aot.start(): no JAX backend may start before it (kernels/aot.py).
     import jax   # pylint: disable=g-import-not-at-top
     from jax.experimental import topologies   # pylint: disable=g-import-not-at-top
-    from s24jax import loop, model as model_lib, sharding, train   # pylint: disable=g-import-not-at-top
+    from s24jax import model as model_lib, run_spec, sharding, train   # pylint: disable=g-import-not-at-top
     self.jax, self.train, self.sharding, self.model_lib = jax, train, sharding, model_lib
     self.config = gpu_config(config, gpu)
     self.gpu, self.num_devices = gpu, num_devices
-    self.method, self.model_cfg, self.tx_fn = loop.build(self.config)
+    self.spec = run_spec.RunSpec.build(self.config)
+    self.method, self.model_cfg, self.tx_fn = self.spec.method, self.spec.model_cfg, self.spec.tx
     self.model = model_lib.GPT2(self.model_cfg)
     self._topologies = {
         factor: topologies.get_topology_desc(

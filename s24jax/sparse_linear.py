@@ -1,15 +1,18 @@
-"""The sparse linear layer and the one matmul dispatch point.
+"""The sparse linear layer, the tied embedding / head, and their frozen `SparsityConfig`.
 
 Every linear layer of the model is a `SparseLinear`; whether it is 2:4 sparse is decided by
 matching its module path against `SparsityConfig.sparse_layers`. The kernel is stored as
 W [out, in] (docs/algorithms.md, Notation) so that the 2:4 groups run along the last axis.
 
-`linear(x, w_tilde, backend=..., sparse=...)` is the single place where y = x W~^T is
-computed. Sparse layers go through the three-GEMM op `sparse_ops.sparse_linear` (forward,
-data gradient and weight gradient all 2:4 sparse, MVUE optional); its `xla` backend is the
-reference and faster backends plug in there (`sparsity.backend='pallas'`: kernels/ where they
-are expected to win, `'pallas_always'`: everywhere; cuSPARSELt later). Dense layers are one
-XLA matmul with the autodiff backward.
+`linear(x, w, opts)` computes y = x W^T for both layer kinds: a sparse layer passes the
+model's `GemmOptions` and goes through the three-GEMM op `sparse_ops.sparse_linear` (its
+backend chosen there, by `opts.backend`), a dense one passes None and is one XLA matmul with
+the autodiff backward. The V:N:M second FFN matmul replaces it by the activation backend's
+own (`SparseLinear.matmul`, s24jax/act_sparsity.py).
+
+Per-layer state: a sparse layer's method state (at least its 'mask') lives in the 'sparsity'
+collection; what a backend prepares from W~ for one step (`prepare`, e.g. cuSPARSELt's
+compressed W~) travels apart, in the 'prepared' collection, which is never stored.
 """
 from __future__ import annotations
 
@@ -22,48 +25,75 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from s24jax.methods import base as methods_base
-from s24jax.methods import registry
 from s24jax import sparse_ops
 from s24jax import state as state_lib
+from s24jax.methods import base as methods_base
+from s24jax.methods import registry
 
-BACKENDS = sparse_ops.BACKENDS
 DENSE_FINETUNE_INITS = ("latent", "projected")
+# The Flax collection of what `prepare` computes for one step (never checkpointed).
+PREPARED = "prepared"
 
 
 @dataclasses.dataclass(frozen=True)
 class SparsityConfig:
-  """What the sparse layers do (frozen and hashable: the model closes over it).
-
-  `method` (s24jax/methods/) projects the weights; the other fields configure the three-GEMM
-  op of every sparse layer and compose with any 2:4 method.
+  """What the sparse layers do, and the run-level sparsity settings every method shares
+  (frozen and hashable: the model closes over it). Its fields other than `method` are the
+  shared fields of the config block `config.sparsity` (s24jax/config.py generates them from
+  here); `method` is there by name, with the method's own hyper-parameters in
+  `config.sparsity.<name>`.
   """
+  # The training method (s24jax/methods/): it projects the weights of the sparse layers.
   method: methods_base.Method = dataclasses.field(
       default_factory=lambda: registry.get_method("dense"))
-  # Glob patterns over module paths ('h_3/mlp/fc'); matching linear layers are sparse.
+  # Glob patterns over module paths ('h_3/mlp/fc'); matching linear layers are sparse. The
+  # default: both FFN matrices of every block. 'wte' makes the tied embedding / head sparse.
   sparse_layers: tuple[str, ...] = ("*/mlp/*",)
-  backend: str = "xla"      # the GEMMs: 'xla' (reference), 'pallas', 'pallas_always'
-  mvue: bool = False        # weight gradient from the MVUE 2:4 estimate of dY^T
-  fp8: bool = False         # FP8 GEMMs (s24jax/fp8.py)
-  # FP8 format of W~ and x in the backward GEMMs (sparse_ops.FP8_BACKWARD_OPERANDS).
+  # The sparse layers' GEMMs (s24jax/sparse_ops/): 'xla' (the reference), 'pallas' (Pallas
+  # kernels where they are expected to win: GPU, few tokens), 'pallas_always', 'tcgen05'
+  # (Blackwell), 'cusparselt' (A100 / H100); sparse_ops.available_backends().
+  backend: str = "xla"
+  # Weight gradient from the unbiased MVUE 2:4 estimate of dY^T along the tokens (Hu et al.
+  # 2024, S-STE); needs batch x seq_len % 4 == 0.
+  mvue: bool = False
+  fp8: bool = False         # FP8 GEMMs in the sparse layers (s24jax/fp8.py)
+  # FP8 backward GEMMs' W~ / x: 'e4m3' (as the forward) or 'e5m2' (S-STE reference).
   fp8_backward_operands: str = "e4m3"
-  # How dense fine-tuning starts (s24jax/phases.py: enter): 'latent' W or 'projected' W~.
+  # The last fraction of the steps trains the dense twin (s24jax/phases.py); in [0, 1).
+  dense_finetune_fraction: float = 0.0
+  # Dense fine-tuning starts from the 'latent' W (the reference code: pruned weights come
+  # back) or the 'projected' W~ (the sparse network itself: no loss jump at the switch).
   dense_finetune_init: str = "latent"
+  # Warning (log + train/flip_rate_warning) when the global flip rate stays above this for
+  # `flip_rate_warn_patience` consecutive logs; 0 turns it off (s24jax/flip_monitor.py).
+  flip_rate_warn: float = 0.05
+  flip_rate_warn_patience: int = 5
 
   def __post_init__(self):
     if self.dense_finetune_init not in DENSE_FINETUNE_INITS:
       raise ValueError(f"unknown sparsity.dense_finetune_init {self.dense_finetune_init!r}; "
                        f"valid: {', '.join(DENSE_FINETUNE_INITS)}")
-    if self.backend not in BACKENDS:
-      raise ValueError(f"unknown sparsity.backend {self.backend!r}; valid: "
-                       f"{', '.join(BACKENDS)}")
-    # Here too, not only in sparse_ops.GemmOptions: the error then comes when the run's
-    # config is read, not when the first step is traced.
-    sparse_ops.check_fp8_backward_operands(self.fp8_backward_operands, fp8=self.fp8,
-                                           backend=self.backend)
-    if self.backend != "xla" and not self.method.structured_24:
+    if not 0.0 <= self.dense_finetune_fraction < 1.0:
+      raise ValueError(f"sparsity.dense_finetune_fraction must be in [0, 1) (the share of "
+                       f"the steps trained dense at the end), got "
+                       f"{self.dense_finetune_fraction}")
+    if self.flip_rate_warn < 0:
+      raise ValueError(f"sparsity.flip_rate_warn must be >= 0 (0: off), got "
+                       f"{self.flip_rate_warn}")
+    methods_base.check_positive_int("sparsity.flip_rate_warn_patience",
+                                    self.flip_rate_warn_patience)
+    # Here, not when a step is traced: the error comes as the run's config is read.
+    sparse_ops.check(self.gemm)
+    if sparse_ops.get_backend(self.backend).needs_24 and not self.method.structured_24:
       raise ValueError(f"sparsity.backend={self.backend!r} needs 2:4 weights; method "
                        f"{self.method.name!r} is unstructured: use sparsity.backend='xla'")
+
+  @property
+  def gemm(self) -> sparse_ops.GemmOptions:
+    """The options of every sparse layer's three GEMMs (the tied head's included)."""
+    return sparse_ops.GemmOptions(mvue=self.mvue, fp8=self.fp8,
+                                  fp8_backward_operands=self.fp8_backward_operands,
+                                  backend=self.backend, transposable=self.method.transposable)
 
   def is_sparse(self, path: str) -> bool:
     """Whether the linear layer at `path` ('h_0/mlp/fc') is sparse."""
@@ -71,37 +101,35 @@ class SparsityConfig:
                                       for pat in self.sparse_layers)
 
 
-def linear(x: jax.Array, w: jax.Array, *, backend: str = "xla", sparse: bool = False,
-           key: jax.Array | None = None, mvue: bool = False, fp8: bool = False,
-           fp8_backward_operands: str = "e4m3", transposable: bool = False,
-           prepared: dict | None = None) -> jax.Array:
+def linear(x: jax.Array, w: jax.Array, opts: sparse_ops.GemmOptions | None = None, *,
+           key: jax.Array | None = None, prepared: dict | None = None) -> jax.Array:
   """y = x W^T for x (..., in) and W (out, in), in x's dtype with float32 accumulation.
 
-  sparse=True: W is the 2:4 projected weight W~ and all three GEMMs go through
-  `sparse_ops.sparse_linear` on `backend` (with the MVUE weight gradient if `mvue`, drawn
-  with `key`; FP8 GEMMs if `fp8`, W~ and x in `fp8_backward_operands` in the backward
-  ones). sparse=False: a dense XLA matmul whatever the backend
-  (sparse kernels cannot run a dense weight).
+  opts given: W is the 2:4 projected weight W~ and all three GEMMs go through
+  `sparse_ops.sparse_linear` (MVUE drawn with `key`, W~ as `prepared` for the step).
+  opts None: a dense XLA matmul (sparse kernels cannot run a dense weight).
   """
-  if backend not in BACKENDS:
-    raise ValueError(f"unknown sparsity.backend {backend!r}; valid: {', '.join(BACKENDS)}")
-  if sparse:
-    return sparse_ops.sparse_linear(x, w, key, mvue=mvue, backend=backend, fp8=fp8,
-                                    fp8_backward_operands=fp8_backward_operands,
-                                    transposable=transposable, prepared=prepared)
+  if opts is not None:
+    return sparse_ops.sparse_linear(x, w, key, opts, prepared)
   return jnp.einsum("...i,oi->...o", x, w.astype(x.dtype),
                     preferred_element_type=jnp.float32).astype(x.dtype)
 
 
 def _init_layer(method: methods_base.Method, kernel: jax.Array, path: str
                 ) -> dict[str, jax.Array]:
-  """method.init_layer(kernel), with the layer named in a shape error (e.g. a transposable
-  mask needs `out` to be a multiple of 4 as well)."""
+  """method.init_layer(kernel), checked (`methods_base.check_layer`), with the layer named
+  in an error (e.g. a transposable mask needs `out` to be a multiple of 4 as well)."""
   try:
-    return method.init_layer(kernel)
+    return methods_base.check_layer(method, method.init_layer(kernel), kernel)
   except ValueError as e:
     raise ValueError(f"sparse layer {path!r} (kernel {tuple(kernel.shape)} = (out, in)): "
                      f"{e}") from None
+
+
+def _mvue_key(module: nn.Module, sp: SparsityConfig) -> jax.Array | None:
+  """The layer's MVUE key for this step: per step from train_step's rngs={'mvue': ...}, per
+  layer by make_rng (which folds in the module's path); None outside training."""
+  return module.make_rng("mvue") if sp.mvue and module.has_rng("mvue") else None
 
 
 class SparseLinear(nn.Module):
@@ -117,7 +145,7 @@ class SparseLinear(nn.Module):
   dtype: Any = jnp.float32
   kernel_init: Callable = nn.initializers.normal(0.02)
   # (x, w) -> y replacing `linear` (e.g. a V:N:M sparse-activation kernel from
-  # s24jax.act_sparsity.act_matmul); None: `linear` with sparsity.backend.
+  # s24jax.act_sparsity.act_matmul); None: `linear` with the sparsity's GEMM options.
   matmul: Callable | None = None
 
   @nn.compact
@@ -136,24 +164,19 @@ class SparseLinear(nn.Module):
       if self.is_initializing():
         for name, value in _init_layer(sp.method, kernel, path).items():
           self.variable("sparsity", name, lambda v=value: v)
-      layer = dict(self.variables.get("sparsity", {}))
-      w = sp.method.project(kernel, layer)
+      w = sp.method.project(kernel, dict(self.variables.get("sparsity", {})))
     if self.matmul is not None:
-      y = self.matmul(x.astype(self.dtype), w)                           # (..., out)
-    else:
-      # Randomness of the sparse op (MVUE): per step from train_step's rngs={'sparsity': ...},
-      # per layer by make_rng (which folds in this module's path); None outside training.
-      key = (self.make_rng("sparsity") if sparse and sp.mvue and self.has_rng("sparsity")
-             else None)
+      return self._bias(self.matmul(x.astype(self.dtype), w))            # (..., out)
+    opts = None
+    if sparse:
       # Initialisation only needs shapes: the reference backend (no kernels at init).
-      backend = "xla" if self.is_initializing() else sp.backend
-      # W~ compressed once for the step (`prepare`), when the train step did so.
-      prepared = ({k: v for k, v in layer.items() if k in sparse_ops.PREPARED}
-                  if sparse else None)
-      y = linear(x.astype(self.dtype), w, backend=backend, sparse=sparse, key=key,
-                 mvue=sp.mvue, fp8=sp.fp8, fp8_backward_operands=sp.fp8_backward_operands,
-                 transposable=sp.method.transposable,
-                 prepared=prepared)                                      # (..., out)
+      opts = (dataclasses.replace(sp.gemm, backend="xla") if self.is_initializing()
+              else sp.gemm)
+    y = linear(x.astype(self.dtype), w, opts, key=_mvue_key(self, sp) if sparse else None,
+               prepared=dict(self.variables.get(PREPARED, {})))           # (..., out)
+    return self._bias(y)
+
+  def _bias(self, y: jax.Array) -> jax.Array:
     if self.use_bias:
       y = y + self.param("bias", nn.initializers.zeros, (self.features,)).astype(self.dtype)
     return y
@@ -165,9 +188,9 @@ class SparseEmbed(nn.Embed):
   Sparse when its path ('wte') matches `sparsity.sparse_layers`: E is then the head's weight
   W (out = vocab, in = C), the method projects it like a `SparseLinear` kernel (its state in
   the 'sparsity' collection, params keep the name 'embedding'), and both uses read the same
-  E~: the lookup gathers rows of E~ and the head is the sparse linear op with E~. The
-  gradient of E sums both uses, as for any tied weight. Dense (the default): exactly
-  nn.Embed.
+  E~: the lookup gathers rows of E~ and the head is the sparse linear op with E~ and the
+  model's GEMM options, like any sparse layer. The gradient of E sums both uses, as for any
+  tied weight. Dense (the default): exactly nn.Embed.
   """
   sparsity: SparsityConfig = SparsityConfig()
 
@@ -200,7 +223,9 @@ class SparseEmbed(nn.Embed):
   def head(self) -> Callable[..., jax.Array]:
     """The head as a pure function of arrays, (x (..., C), chunk=None) -> logits (..., vocab),
     so a chunked loss can call it inside lax.scan / jax.checkpoint (no module calls there).
-    The sparse head's randomness (MVUE) is folded with the chunk index."""
+    The sparse head's randomness (MVUE) is folded with the chunk index. It gets no
+    `prepared` W~: `prepare` compresses for the blocks' micro-batch size, and the chunks of
+    a chunked loss have another, so a backend that prepares compresses E~ in each call."""
     if not self._is_sparse():
       embedding, dtype = self.embedding, self.dtype
 
@@ -211,39 +236,36 @@ class SparseEmbed(nn.Embed):
       return dense_head
     sp = self.sparsity
     table = self._table()
-    key = self.make_rng("sparsity") if sp.mvue and self.has_rng("sparsity") else None
+    key = _mvue_key(self, sp)
 
     def sparse_head(x, chunk=None):
       k = key if key is None or chunk is None else jax.random.fold_in(key, chunk)
-      return linear(x.astype(self.dtype or x.dtype), table, backend=sp.backend, sparse=True,
-                    key=k, mvue=sp.mvue, fp8=sp.fp8,
-                    fp8_backward_operands=sp.fp8_backward_operands)      # (..., vocab)
+      return linear(x.astype(self.dtype or x.dtype), table, sp.gemm, key=k)   # (..., vocab)
     return sparse_head
 
 
-def prepare(model_cfg, params: Any, sparsity: Any, *, tokens: int, dtype) -> Any:
-  """The sparsity collection with each sparse linear layer's W~ compressed for this step's
-  micro-batches of `tokens` tokens per device in the compute `dtype`
-  (sparse_ops.prepare_weights), when the backend
-  multiplies compressed weights ('cusparselt'); unchanged otherwise. The train step calls it
-  once per optimizer step, outside the accumulation loop; the tied head (whose chunks differ
-  in size) compresses in its own call."""
+def prepare(model_cfg, params: Any, sparsity: Any, *, tokens: int, dtype) -> dict:
+  """The 'prepared' collection of this step: for each sparse linear layer, what the backend
+  prepares from its W~ (sparse_ops.Backend.prepare: e.g. cuSPARSELt's compressed W~ for
+  micro-batches of `tokens` tokens per device in the compute `dtype`); {} when the backend
+  prepares nothing. The train step calls it once per optimizer step, outside the
+  accumulation loop. The tied head is left out (`SparseEmbed.head` says why)."""
   sp = model_cfg.sparsity
-  if sp.backend != "cusparselt" or not sp.method.sparse or not sparsity:
-    return sparsity
-  opts = sparse_ops.GemmOptions(mvue=sp.mvue, backend=sp.backend, fp8=sp.fp8,
-                                fp8_backward_operands=sp.fp8_backward_operands,
-                                transposable=sp.method.transposable)
-  out = flax.core.unfreeze(jax.tree.map(lambda x: x, sparsity))
+  backend = sparse_ops.get_backend(sp.backend)
+  if backend.prepare is None or not sp.method.sparse or not sparsity:
+    return {}
+  opts = sp.gemm
+  flat = {}
   for path in state_lib.sparse_layer_paths(sparsity):
     if path == (state_lib.HEAD,):
       continue
-    layer = state_lib.get_path(out, path)
+    layer = methods_base.layer_at(sparsity, path)
     kernel = state_lib.get_path(params, path)["kernel"]
 
     def one(kernel, layer_state):
       w = sp.method.project(kernel, layer_state)
-      return sparse_ops.prepare_weights(w, tokens=tokens, dtype=dtype, opts=opts)
+      return backend.prepare(w, tokens=tokens, dtype=dtype, opts=opts)
 
-    layer.update(methods_base.per_layer(one)(kernel, dict(layer)))
-  return out
+    for name, value in methods_base.per_layer(one)(kernel, layer).items():
+      flat[path + (name,)] = value
+  return flax.traverse_util.unflatten_dict(flat)

@@ -12,6 +12,7 @@ from typing import Any
 import flax
 import flax.struct
 import jax
+import numpy as np
 from flax import traverse_util
 
 
@@ -99,3 +100,21 @@ def num_sparse_weights(params: Any, sparsity: Any) -> int:
   return sum(get_path(params, p)[weight_name(get_path(params, p))].size
              for p in sparse_layer_paths(sparsity))
 
+
+def linear_kernel_shapes(params: Any) -> dict[str, tuple[int, int]]:
+  """(out, in) of every linear kernel in the params ('h_0/attn/qkv' -> (3C, C)); embeddings,
+  positions, norms and biases are not kernels. The stacked (L, out, in) kernels of scanned
+  blocks count as (L * out, in): the same FLOPs."""
+  flat = traverse_util.flatten_dict(flax.core.unfreeze(params))
+  return {"/".join(k[:-1]): (int(np.prod(v.shape[:-1])), v.shape[-1]) for k, v in flat.items()
+          if k[-1] == "kernel" and len(v.shape) in (2, 3)}
+
+
+def sparse_weight_shapes(params: Any, sparsity: Any) -> dict[str, tuple[int, ...]]:
+  """The shape of each sparse layer's weight by layer name (linear kernels, and the tied
+  head 'wte' when it is sparse)."""
+  out = {}
+  for p in sparse_layer_paths(sparsity):
+    layer = get_path(params, p)
+    out[layer_name(p)] = tuple(layer[weight_name(layer)].shape)
+  return out

@@ -2,9 +2,9 @@
 
 `train_step(state, batch)` and `eval_step(...)` are module-level, jitted functions (the model
 and optimizer are static arguments); the state is donated. The step knows no method: the
-model's method (s24jax/methods/) acts through its hooks. The rng of step t is
-fold_in(state.rng, t) and the batch of step t is a pure function of (seed, t), so a run that
-is killed and resumed reproduces an uninterrupted one step for step.
+model's method (s24jax/methods/) acts through its hooks, with the loop's `StepInfo` of the
+step. The rng of step t is fold_in(state.rng, t) and the batch of step t is a pure function of
+(seed, t), so a run that is killed and resumed reproduces an uninterrupted one step for step.
 """
 from __future__ import annotations
 
@@ -23,16 +23,23 @@ from s24jax import model as model_lib
 from s24jax import sparse_linear
 from s24jax.model import GPT2
 from s24jax.state import TrainState
+from s24jax.step_info import StepInfo
 
 Batch = dict[str, jax.Array]
 
-# fold_in constant separating the sparse op's randomness (the 'sparsity' rng stream that
+# fold_in constant separating the sparse op's randomness (the 'mvue' rng stream that
 # SparseLinear draws its per-layer keys from) from other uses of the step rng.
-_SPARSITY_STREAM = 0x6D767565
+_MVUE_STREAM = 0x6D767565
 
 
-def _variables(params, sparsity):
-  return {"params": params, "sparsity": sparsity} if sparsity else {"params": params}
+def _variables(params, sparsity, prepared=None):
+  """The model's variables: params, the per-layer method state, the step's prepared W~."""
+  out = {"params": params}
+  if sparsity:
+    out["sparsity"] = sparsity
+  if prepared:
+    out[sparse_linear.PREPARED] = prepared
+  return out
 
 
 def _micro_batches(batch: Batch, k: int) -> Batch:
@@ -56,14 +63,14 @@ def loss_and_grads(params: Any, sparsity: Any, batch: Batch, key: jax.Array, *, 
   tokens = batch["targets"].size
   mesh = jax.sharding.get_abstract_mesh()
   devices = 1 if mesh.empty else mesh.size
-  sparsity_in = sparse_linear.prepare(model.config, params, sparsity,
-                                      tokens=tokens // accum_steps // devices,
-                                      dtype=model_lib.compute_dtype(model.config.dtype))
+  prepared = sparse_linear.prepare(model.config, params, sparsity,
+                                   tokens=tokens // accum_steps // devices,
+                                   dtype=model_lib.compute_dtype(model.config.dtype))
 
   def grads_of(b, k):
     def loss_fn(p):
-      loss_sum = model.apply(_variables(p, sparsity_in), b["inputs"], b["targets"],
-                             rngs={"sparsity": k})
+      loss_sum = model.apply(_variables(p, sparsity, prepared), b["inputs"], b["targets"],
+                             rngs={"mvue": k})
       return loss_sum / tokens, loss_sum
     (_, loss_sum), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     return loss_sum, grads
@@ -83,14 +90,17 @@ def loss_and_grads(params: Any, sparsity: Any, batch: Batch, key: jax.Array, *, 
 
 @functools.partial(jax.jit, static_argnames=("model", "tx", "accum_steps", "partitioner"),
                    donate_argnames=("state",))
-def train_step(state: TrainState, batch: Batch, *, model: GPT2,
+def train_step(state: TrainState, batch: Batch, info: StepInfo | None = None, *, model: GPT2,
                tx: optax.GradientTransformationExtraArgs, accum_steps: int = 1,
                partitioner: sharding.Partitioner | None = None
                ) -> tuple[TrainState, dict[str, jax.Array]]:
-  """One optimizer step (of `accum_steps` micro-batches). Returns the new state and metrics
-  (loss as a sum plus a count; `finite`: loss and gradient norm are finite)."""
+  """One optimizer step (of `accum_steps` micro-batches). `info` is the loop's StepInfo of
+  the step (None: the step of state.step, its metrics read). Returns the new state and
+  metrics (loss as a sum plus a count; `finite`: loss and gradient norm are finite)."""
   method = model.config.sparsity.method
-  key = jax.random.fold_in(jax.random.fold_in(state.rng, state.step), _SPARSITY_STREAM)
+  if info is None:
+    info = StepInfo(step=state.step, log=True)
+  key = jax.random.fold_in(jax.random.fold_in(state.rng, state.step), _MVUE_STREAM)
   # The mesh as context while tracing: ops that must place work per device themselves (an
   # opaque custom call, e.g. sparse_ops' cusparselt backend) read it.
   mesh = (jax.sharding.use_abstract_mesh(partitioner.mesh.abstract_mesh)
@@ -102,7 +112,7 @@ def train_step(state: TrainState, batch: Batch, *, model: GPT2,
                                  sparsity=state.sparsity, method_state=state.method_state)
   after = state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
                         opt_state=opt_state)
-  new_state, method_metrics = method.update(state, after, grads)
+  new_state, method_metrics = method.update(state, after, grads, info)
   grad_norm = optax.tree.norm(grads)
   metrics = {"loss": loss_sum, "count": jnp.asarray(batch["targets"].size, jnp.float32),
              "grad_norm": grad_norm, "finite": jnp.isfinite(loss_sum) & jnp.isfinite(grad_norm),

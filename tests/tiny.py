@@ -1,12 +1,17 @@
-"""Tiny configs and models shared by the tests (small enough for 2 CPU cores)."""
+"""Tiny configs shared by the tests (small enough for 2 CPU cores)."""
 from __future__ import annotations
 
+from typing import Any, Mapping
+
+from s24jax import config_files
 from s24jax.config import apply_variant, base_config
 
 
 def tiny_config(method: str = "s_ste", *, steps: int = 6, workdir_cache: str | None = None,
-                **overrides):
-  """A 1-layer, 32-wide GPT-2 on the embedded corpus, logging/evaluating every few steps."""
+                overrides: Mapping[str, Any] | None = None):
+  """A 1-layer, 32-wide GPT-2 on the embedded corpus, logging/evaluating every few steps.
+  `overrides` ({'sparsity.mvue': True, ...}) are set as the command line sets them
+  (s24jax/config_files.py: type-checked, an unknown field is an error)."""
   c = apply_variant(base_config(), "tiny")
   c.sparsity.method = method
   c.total_steps = steps
@@ -21,10 +26,4 @@ def tiny_config(method: str = "s_ste", *, steps: int = 6, workdir_cache: str | N
   c.checkpoint_every = 2
   if workdir_cache:
     c.data.cache_dir = workdir_cache
-  for key, value in overrides.items():
-    node = c
-    *parents, leaf = key.split("__")
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
-  return c
+  return config_files.apply_overrides(c, overrides or {})

@@ -28,8 +28,8 @@ import jax
 import jaxlib
 
 SOURCE = pathlib.Path(__file__).with_name("cusparselt_ffi.cc")
-# FFI target name -> the handler's symbol in the library. Every target starts with
-# 'cusparselt' (the compile checks count custom calls by that prefix).
+# FFI target name -> the handler's symbol in the library. Every target starts with PREFIX:
+# kernels.aot.hlo_census counts custom calls by it (the planner's cusparselt_custom_calls).
 TARGETS = {"cusparselt_compress": "CusparseltCompress", "cusparselt_spmm": "CusparseltSpmm"}
 PREFIX = "cusparselt"
 INSTALL_HINT = ("pip install -r requirements-gpu.txt (a GPU host; or requirements-cusparselt.txt: "

@@ -2,6 +2,7 @@
 
   base       the interface (core hooks, optional capabilities) and shared helpers
   registry   name -> method: register_method, register_projection, get_method, from_config
+  straight_through  the straight-through rule every hard-mask method projects with
   dense      no sparsity (and the dense fine-tuning twin of every method)
   ste        hard-threshold 2:4, straight-through
   function   a method from a plain projection function (register_projection)

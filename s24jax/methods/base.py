@@ -8,12 +8,16 @@ below; none of them knows which method runs (docs/algorithms.md describes every 
 
 The core, in the order a run meets it (a method that only projects overrides `project`):
 
-  configure(run: RunFacts) -> Method      once, before the model: cross-checks against the run
+  configure(facts: RunFacts) -> Method    once, before the model: cross-checks against the run
                                           (frozen facts, not the mutable config) and resolves
                                           run-dependent defaults
-  init_layer(kernel) -> Layer             per sparse layer, at init: the layer's state (at
-                                          least 'mask', the 2:4 support of the last step), in
-                                          the train state's 'sparsity' collection
+  init_layer(kernel) -> Layer             per sparse layer, at init: the layer's state, in the
+                                          train state's 'sparsity' collection. It must hold
+                                          'mask' (bool, the kernel's shape: the support of the
+                                          last step): that key is what makes a layer sparse to
+                                          the refresh, the FLOP count, the optimizer and the
+                                          phases, so a layer state without it is refused
+                                          (`check_layer`)
   project(kernel, layer) -> W~            the weight the forward pass uses: a jax.custom_vjp
                                           projection whose backward rule is the method
   mask(kernel, layer) -> bool             the 2:4 support of project(kernel, layer) now
@@ -21,14 +25,18 @@ The core, in the order a run meets it (a method that only projects overrides `pr
                                           the fresh state's start, after model.init; the
                                           method-wide state (a controller, a plan) is a pytree
                                           of its own in `TrainState.method_state`
-  update(before, after, grads) -> (TrainState, metrics)
+  update(before, after, grads, info) -> (TrainState, metrics)
                                           per-step device work, inside the jitted step, after
                                           the optimizer: mask refresh and flip rate (the
                                           default), rescaling, controllers, MST's topology
-                                          update (which may replace the step's update)
-  chores(run: RunFacts) -> [hooks.Hook]   host-side chores between steps (the flip-rate
+                                          update (which may replace the step's update).
+                                          `info` is the loop's `StepInfo` of the step (its
+                                          index, steps done, whether it is logged): a method
+                                          reads the schedule from it, never re-derives it
+  chores(facts: RunFacts) -> [chores.Chore]
+                                          host-side chores between steps (the flip-rate
                                           warning, logging a chosen lambda_W, plots); each
-                                          Hook sees a typed `hooks.Context`
+                                          sees a typed `chores.Context`
 
 Optional capabilities, separate classes a method also inherits when it needs them (the
 optimizer, the loop's phases and the FLOP accounting look for them with isinstance):
@@ -52,10 +60,11 @@ from typing import Any, ClassVar, Mapping
 import jax
 import jax.numpy as jnp
 
+from s24jax import chores as chores_lib
 from s24jax import flip_monitor
-from s24jax import hooks
 from s24jax import state as state_lib
 from s24jax.kernels import masks
+from s24jax.step_info import StepInfo
 
 Layer = dict[str, jax.Array]
 Metrics = dict[str, jax.Array]
@@ -104,8 +113,8 @@ class Method:
   # Whether its masks are transposable (W~ 2:4 along `out` too): sparse data-gradient GEMMs.
   transposable: ClassVar[bool] = False
 
-  def configure(self, run: RunFacts) -> "Method":
-    del run
+  def configure(self, facts: RunFacts) -> "Method":
+    del facts
     return self
 
   # -- what the model sees --------------------------------------------------------------------
@@ -128,42 +137,45 @@ class Method:
     del rng
     return params, sparsity, {}
 
-  def update(self, before: state_lib.TrainState, after: state_lib.TrainState, grads: Any
-             ) -> tuple[state_lib.TrainState, Metrics]:
+  def update(self, before: state_lib.TrainState, after: state_lib.TrainState, grads: Any,
+             info: StepInfo) -> tuple[state_lib.TrainState, Metrics]:
     """The step's device work after the optimizer. `before` is the state the step started
     from, `after` the state with the optimizer's update applied (step + 1), `grads` the raw
-    gradients of the step's mean loss (unclipped). Returns the step's final state and the
-    method's metrics. The default refreshes the masks (`refresh`)."""
+    gradients of the step's mean loss (unclipped), `info` the loop's StepInfo of this step.
+    Returns the step's final state and the method's metrics. The default refreshes the
+    masks (`refresh`)."""
     del grads
     if not self.sparse:
       return after, {}
-    sparsity, metrics = self.refresh(after.params, after.sparsity, before.step)
+    sparsity, metrics = self.refresh(after.params, after.sparsity, info)
     return after.replace(sparsity=sparsity), metrics
 
-  def refresh(self, params: Any, sparsity: Any, step: jax.Array) -> tuple[Any, Metrics]:
+  def refresh(self, params: Any, sparsity: Any, info: StepInfo) -> tuple[Any, Metrics]:
     """Stores the masks the next forward passes use and returns the flip-rate metrics
-    against the stored ones: here mask(W) of the updated weights, every step. `step` is the
-    optimizer step just taken (0-based)."""
-    del step
+    against the stored ones: here mask(W) of the updated weights, every step. `info` is the
+    step just taken."""
+    del info
     paths = state_lib.sparse_layer_paths(sparsity)
     new = {p: self.mask(kernel_at(params, p), layer_at(sparsity, p)) for p in paths}
     return state_lib.with_masks(sparsity, new), flip_rates(new, sparsity)
 
   # -- the loop -------------------------------------------------------------------------------
 
-  def chores(self, run: RunFacts) -> list[hooks.Hook]:
+  def chores(self, facts: RunFacts) -> list[chores_lib.Chore]:
     """Host-side chores. The base warns when the flip rate stays above
-    `sparsity.flip_rate_warn` for `flip_rate_warn_patience` logs (s24jax/flip_monitor.py)."""
-    if not self.sparse or not run.flip_rate_warn:
+    `sparsity.flip_rate_warn` for `flip_rate_warn_patience` logs (s24jax/flip_monitor.py),
+    right after each log."""
+    if not self.sparse or not facts.flip_rate_warn:
       return []
-    monitor = flip_monitor.FlipRateMonitor(run.flip_rate_warn, run.flip_rate_warn_patience)
+    monitor = flip_monitor.FlipRateMonitor(facts.flip_rate_warn, facts.flip_rate_warn_patience)
 
-    def warn(ctx: hooks.Context) -> None:
+    def warn(ctx: chores_lib.Context) -> None:
       if ctx.sparse_phase:   # no mask during dense fine-tuning
-        flag = monitor.update(ctx.step, ctx.last_log.get("train/flip_rate"))
-        ctx.write(ctx.step, {"train/flip_rate_warning": flag})
+        step = ctx.info.next_step
+        flag = monitor.update(step, ctx.last_log.get("train/flip_rate"))
+        ctx.write(step, {"train/flip_rate_warning": flag})
 
-    return [hooks.Hook(warn, every=run.log_every, name="flip-rate warning")]
+    return [chores_lib.Chore(warn, due=lambda info: info.log, name="flip-rate warning")]
 
   def config_block(self) -> dict[str, Any]:
     """The hyper-parameters (dataclass fields that are config), with their current values."""
@@ -251,18 +263,40 @@ def per_layer(fn):
   return apply
 
 
+def check_layer(method: Method, layer: Layer, kernel: jax.Array) -> Layer:
+  """`layer` (what method.init_layer returned), refused unless it holds the 'mask' the
+  train step, the FLOP count, the optimizer and the phases recognise a sparse layer by."""
+  mask = layer.get("mask") if isinstance(layer, Mapping) else None
+  if mask is None:
+    raise ValueError(f"method {method.name!r}: init_layer returned "
+                     f"{sorted(layer) if isinstance(layer, Mapping) else layer!r}, without "
+                     "the 'mask' entry every sparse layer state needs (bool, the kernel's "
+                     "shape; base.Method.init_layer makes it: return {..., "
+                     "**super().init_layer(kernel)})")
+  if tuple(mask.shape) != tuple(kernel.shape) or mask.dtype != jnp.bool_:
+    raise ValueError(f"method {method.name!r}: init_layer's 'mask' is {mask.dtype}"
+                     f"{tuple(mask.shape)}; it must be bool with the kernel's shape "
+                     f"{tuple(kernel.shape)}")
+  return layer
+
+
+# The metric prefix of method state the train step reports as it leaves the step (per-layer
+# scalars such as the S-STE scale, SR-STE's lambda_W): the log keeps the latest value.
+STATE_METRICS = "method/"
+
+
 def layer_scalars(sparsity: Any) -> Metrics:
-  """Scalar layer state (e.g. the S-STE scale) per layer, 'sparsity/<name>/<layer>', and its
-  mean over layers, 'sparsity/<name>' (so a growing recomputed scale is visible)."""
+  """Scalar layer state (e.g. the S-STE scale) per layer, 'method/<name>/<layer>', and its
+  mean over layers, 'method/<name>' (so a growing recomputed scale is visible)."""
   out, per_name = {}, {}
   for path in state_lib.sparse_layer_paths(sparsity):
     for name, value in state_lib.get_path(sparsity, path).items():
       if name != "mask" and getattr(value, "ndim", None) in (0, 1):
         value = jnp.mean(value) if value.ndim else value   # scanned blocks: mean over layers
-        out[f"sparsity/{name}/{state_lib.layer_name(path)}"] = value
+        out[f"{STATE_METRICS}{name}/{state_lib.layer_name(path)}"] = value
         per_name.setdefault(name, []).append(value.astype(jnp.float32))
   for name, values in per_name.items():
-    out[f"sparsity/{name}"] = jnp.mean(jnp.stack(values))
+    out[f"{STATE_METRICS}{name}"] = jnp.mean(jnp.stack(values))
   return out
 
 

@@ -81,9 +81,9 @@ def check_renamed_keys(config) -> None:
                      f"{config.sparsity['projection']!r} instead")
 
 
-def from_config(config) -> base.Method:
+def from_config(config, facts: base.RunFacts | None = None) -> base.Method:
   """The method `config.sparsity.method` with the hyper-parameters of its block, validated
-  and configured with the run's facts."""
+  and configured with the run's facts (built from `config` unless given)."""
   check_renamed_keys(config)
   method = get_method(config.sparsity.method)
   block = dict(config.sparsity.get(method.name, None) or {})
@@ -93,7 +93,8 @@ def from_config(config) -> base.Method:
     raise ValueError(f"unknown fields {unknown} in config.sparsity.{method.name}; valid: "
                      f"{sorted(valid)}")
   block = {k: tuple(v) if isinstance(v, list) else v for k, v in block.items()}
-  return dataclasses.replace(method, **block).configure(base.RunFacts.from_config(config))
+  facts = base.RunFacts.from_config(config) if facts is None else facts
+  return dataclasses.replace(method, **block).configure(facts)
 
 
 for _name, _method in [("dense", dense.Dense()), ("ste", ste.STE()), ("sr_ste", sr_ste.SRSTE()),

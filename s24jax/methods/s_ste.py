@@ -15,23 +15,11 @@ from s24jax import state as state_lib
 from s24jax.methods import base
 
 
-def soft_threshold24(w: jax.Array) -> jax.Array:
-  """S(w) per group of 4 along the last axis: t = the second-smallest |w_i| of the group,
-  S(w)_i = sign(w_i) max(|w_i| - t, 0). The two largest entries survive, shrunk by t; S is
-  continuous in w (the hard threshold jumps when two magnitudes cross, this does not)."""
-  masks.check_groupable(w, 4)
-  g = w.reshape(*w.shape[:-1], w.shape[-1] // 4, 4)            # (..., K/4, 4)
-  a = jnp.abs(g)
-  t = jnp.sort(a, axis=-1)[..., 1:2]                             # (..., K/4, 1)
-  s = jnp.sign(g) * jnp.maximum(a - t, 0)
-  return s.reshape(w.shape)
-
-
 def s_ste_scale(w: jax.Array) -> jax.Array:
   """beta = <w, S(w)> / <S(w), S(w)>, the least-squares scale of S(w) towards w (float32
   scalar; 1.0 when S(w) is all zeros). Computed once at init, then frozen."""
   w32 = w.astype(jnp.float32)
-  s = soft_threshold24(w32)
+  s = masks.soft_threshold24(w32)
   num = jnp.vdot(w32, s)
   den = jnp.vdot(s, s)
   return jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 1.0)
@@ -41,7 +29,7 @@ def s_ste_scale(w: jax.Array) -> jax.Array:
 def s_ste24(w: jax.Array, scale: jax.Array) -> jax.Array:
   """Forward beta * S(w); straight-through backward dL/dW := dL/d(beta S(w)), not multiplied
   by beta or dS/dw. `scale` is frozen state: no cotangent."""
-  return (scale * soft_threshold24(w)).astype(w.dtype)
+  return (scale * masks.soft_threshold24(w)).astype(w.dtype)
 
 
 def _s_ste24_fwd(w, scale):
@@ -71,18 +59,17 @@ class SSTE(base.Method):
   def project(self, kernel, layer):
     return s_ste24(kernel, layer["scale"])
 
-  def update(self, before, after, grads):
+  def update(self, before, after, grads, info):
     """The masks (base), then beta <- s_ste_scale(W) after every rescale_every-th step (so
     from W_k, W_2k, ...), unchanged otherwise; never when rescale_every = 0."""
-    after, metrics = super().update(before, after, grads)
+    after, metrics = super().update(before, after, grads, info)
     k = self.rescale_every
     if not k:
       return after, metrics
-    steps_done = before.step + 1
     new = {}
     for path in state_lib.sparse_layer_paths(after.sparsity):
       old = base.layer_at(after.sparsity, path)["scale"]
-      new[path] = jax.lax.cond(steps_done % k == 0,
+      new[path] = jax.lax.cond(info.next_step % k == 0,
                                lambda w=base.kernel_at(after.params, path):
                                base.per_layer(s_ste_scale)(w),
                                lambda old=old: jnp.asarray(old, jnp.float32))

@@ -3,7 +3,8 @@ with Adam as in Hu et al. 2024): lambda_W fixed (Hu et al.'s 124M value unless s
 adjusted during warm-up from there (`decay_auto`).
 
 docs/algorithms.md, "SR-STE" and "Choosing lambda_W in warm-up", describe the rules; here:
-- `sr_ste24`: the projection, with the decay inside the backward ('backward' placement);
+- the projection: the shared straight-through rule (methods/straight_through.py) on the hard
+  2:4 mask, with the decay inside the backward in the 'backward' placement;
 - `masked_decay`: the optax transform for the two Adam placements, 'gradients' (after
   clipping, before Adam: Hu et al. 2024) and 'weights' (decoupled, after Adam);
 - the lambda_W controller (`decay_auto`): its state (`ControllerState`) is the method state
@@ -25,10 +26,11 @@ import optax
 from absl import logging
 from flax import traverse_util
 
-from s24jax import hooks
+from s24jax import chores as chores_lib
 from s24jax.kernels import masks
 from s24jax import state as state_lib
 from s24jax.methods import base
+from s24jax.methods import straight_through
 
 PLACEMENTS = ("gradients", "weights", "backward")
 # Hu et al. 2024's lambda_W per GPT-2 size (the experiment files pick it by variant; the 124M
@@ -40,30 +42,6 @@ PAPER_DECAY = {"124m": 6e-5, "350m": 2e-4, "774m": 6e-5, "1558m": 2e-4}
 # there.
 MIN_DECAY, MAX_DECAY = 1e-8, 1.0
 MAX_GROWTH = 100.0
-
-
-@jax.custom_vjp
-def sr_ste24(w: jax.Array, decay: jax.Array) -> jax.Array:
-  """Forward W~ = m(W) * W. Backward: dL/dW := dL/dW~ + decay * (1 - m(W)) * W.
-
-  The SGD form of SR-STE; `decay` is 0 unless the placement is 'backward' (with Adam the
-  decay goes into the optimizer, `masked_decay`). `decay` is a hyper-parameter: no cotangent.
-  """
-  return jnp.where(masks.nm_mask(w), w, 0)
-
-
-def _sr_ste24_fwd(w, decay):
-  m = masks.nm_mask(w)
-  return jnp.where(m, w, 0), (w, m, decay)
-
-
-def _sr_ste24_bwd(res, g):
-  w, m, decay = res
-  dw = g + (decay * jnp.where(m, 0, w)).astype(g.dtype)
-  return dw, jnp.zeros_like(decay)
-
-
-sr_ste24.defvjp(_sr_ste24_fwd, _sr_ste24_bwd)
 
 
 @flax.struct.dataclass
@@ -174,17 +152,18 @@ class SRSTE(base.Method, base.OptimizerTransforms):
                        f"{self.decay_auto_band}, {self.decay_auto_rate}, "
                        f"{self.decay_auto_min_response}, {self.decay_auto_steps}")
 
-  def configure(self, run):
+  def configure(self, facts):
     if not self.controlled:
       return self
     method = self
     if not self.decay_auto_steps:   # lambda_W is chosen in warm-up
-      method = dataclasses.replace(self, decay_auto_steps=run.warmup_steps)
-    n, k = method.decay_auto_steps, method.decay_auto_every
-    if (n - n // 2) // k < 2:
+      method = dataclasses.replace(self, decay_auto_steps=facts.warmup_steps)
+    start, end = method.controller_window
+    k = method.decay_auto_every
+    if (end - start) // k < 2:
       logging.warning("sparsity.%s.decay_auto: the window [%d, %d) holds fewer than two rounds "
                       "of decay_auto_every=%d steps; the effect of a raise of lambda_W is "
-                      "never checked", self.name, n // 2, n, k)
+                      "never checked", self.name, start, end, k)
     return method
 
   @property
@@ -197,17 +176,30 @@ class SRSTE(base.Method, base.OptimizerTransforms):
     return self.decay_auto
 
   @property
+  def controller_window(self) -> tuple[int, int]:
+    """[start, end): the steps (0-based indices) whose flip rates the controller reads,
+    the second half of decay_auto_steps = N: [N/2, N). lambda_W is frozen from step N on."""
+    n = self.decay_auto_steps
+    return n // 2, n
+
+  def in_controller_window(self, step: Any) -> Any:
+    """Whether step `step` (an index; int or traced) is in `controller_window`."""
+    start, end = self.controller_window
+    return (step >= start) & (step < end)
+
+  @property
   def max_decay(self) -> float:
     return min(self.decay * MAX_GROWTH, MAX_DECAY)
 
   # -- forward ----------------------------------------------------------------------------------
 
-  def backward_decay(self) -> jax.Array:
-    return jnp.asarray(self.decay if self.decay_placement == "backward" else 0.0, jnp.float32)
+  def backward_decay(self) -> float:
+    """lambda_W in the projection's backward ('backward' placement); 0 otherwise."""
+    return float(self.decay) if self.decay_placement == "backward" else 0.0
 
   def project(self, kernel, layer):
     del layer
-    return sr_ste24(kernel, self.backward_decay())
+    return straight_through.masked(kernel, masks.nm_mask(kernel), self.backward_decay())
 
   # -- optimizer --------------------------------------------------------------------------------
 
@@ -233,21 +225,21 @@ class SRSTE(base.Method, base.OptimizerTransforms):
       return [masked_decay(self, is_sparse)]
     return []
 
-  def update(self, before, after, grads):
+  def update(self, before, after, grads, info):
     decay = self.current_decay(before.method_state) if self.uses_decay else None
-    after, metrics = super().update(before, after, grads)
-    metrics.update(self.extra_flip_rates(before, after))
+    after, metrics = super().update(before, after, grads, info)
+    metrics.update(self.extra_flip_rates(before, after, info))
     if self.controlled:
       after = after.replace(method_state=self.control(
-          before.method_state, metrics.get(self.steer_on, jnp.nan), before.step))
+          before.method_state, metrics.get(self.steer_on, jnp.nan), info.step))
     if decay is not None:
-      metrics["sparsity/decay"] = decay   # lambda_W used by this step
+      metrics[f"{base.STATE_METRICS}decay"] = decay   # lambda_W used by this step
     return after, metrics
 
-  def extra_flip_rates(self, before, after) -> base.Metrics:
+  def extra_flip_rates(self, before, after, info) -> base.Metrics:
     """Flip rates besides the refresh's (t_sr_ste: of its transposable mask). None here: the
     forward mask is the plain 2:4 mask, whose rate `refresh` measures."""
-    del before, after
+    del before, after, info
     return {}
 
   def control(self, ctrl: ControllerState, flip_rate: jax.Array, step: jax.Array
@@ -258,10 +250,9 @@ class SRSTE(base.Method, base.OptimizerTransforms):
     follow the previous round's change); at a round's last step `decide` acts on it. A round
     the end of the window cuts short, or one without measurements, is not acted on."""
     r = jnp.asarray(flip_rate, jnp.float32)
-    n, k = self.decay_auto_steps, self.decay_auto_every
-    pos = step - n // 2
-    in_window = (pos >= 0) & (step < n)
-    phase = jnp.mod(pos, k)
+    k = self.decay_auto_every
+    in_window = self.in_controller_window(step)
+    phase = jnp.mod(step - self.controller_window[0], k)
     measured = in_window & (phase >= k // 2) & ~jnp.isnan(r)
     total = ctrl.round_sum + jnp.where(measured, r, 0.0)
     count = ctrl.round_count + measured.astype(jnp.int32)
@@ -295,11 +286,11 @@ class SRSTE(base.Method, base.OptimizerTransforms):
 
   # -- the loop ---------------------------------------------------------------------------------
 
-  def chores(self, run):
-    chores = super().chores(run)
-    if self.controlled:
-      chores.append(hooks.Hook(self._log_chosen_decay, name="lambda_W frozen",
-                               due=lambda step: step == self.decay_auto_steps))
+  def chores(self, facts):
+    chores = super().chores(facts)
+    if self.controlled:   # after the last step of the window
+      chores.append(chores_lib.Chore(self._log_chosen_decay, name="lambda_W frozen",
+                                     due=lambda info: info.next_step == self.controller_window[1]))
     return chores
 
   def freeze_report(self, ctrl: ControllerState) -> dict[str, float]:
@@ -308,21 +299,22 @@ class SRSTE(base.Method, base.OptimizerTransforms):
     last = float(ctrl.last_rate)
     lo = self.decay_auto_target / self.decay_auto_band
     hi = self.decay_auto_target * self.decay_auto_band
-    return {"sparsity/decay_chosen": float(ctrl.decay),
-            "sparsity/decay_stopped_unresponsive": float(bool(ctrl.stopped)),
-            "sparsity/decay_band_reached": float(lo <= last <= hi),   # NaN: no round, 0
-            "sparsity/decay_rounds": float(ctrl.rounds)}
+    prefix = base.STATE_METRICS
+    return {f"{prefix}decay_chosen": float(ctrl.decay),
+            f"{prefix}decay_stopped_unresponsive": float(bool(ctrl.stopped)),
+            f"{prefix}decay_band_reached": float(lo <= last <= hi),   # NaN: no round, 0
+            f"{prefix}decay_rounds": float(ctrl.rounds)}
 
-  def _log_chosen_decay(self, ctx: hooks.Context) -> None:
+  def _log_chosen_decay(self, ctx: chores_lib.Context) -> None:
     ctrl = ctx.state.method_state
     report = self.freeze_report(ctrl)
-    chosen, last = report["sparsity/decay_chosen"], float(ctrl.last_rate)
+    chosen, last = report[f"{base.STATE_METRICS}decay_chosen"], float(ctrl.last_rate)
     band = (self.decay_auto_target / self.decay_auto_band,
             self.decay_auto_target * self.decay_auto_band)
     logging.info("step %d: end of the lambda_W warm-up controller (%d rounds); lambda_W frozen "
-                 "at %.4g (started at %.4g)", ctx.step, int(ctrl.rounds), chosen, self.decay)
+                 "at %.4g (started at %.4g)", ctx.info.next_step, int(ctrl.rounds), chosen, self.decay)
     if bool(ctrl.stopped):
-      # Seen on the tiny Hu et al. recipe (README, "Hu et al. 2024"): with the decay fed into
+      # Seen on the tiny Hu et al. recipe (docs/results.md, "Hu et al. 2024"): with the decay fed into
       # Adam, a larger lambda_W stops lowering the flip rate.
       logging.warning(
           "lambda_W warm-up controller stopped: raising lambda_W from %.4g to %.4g did not "
@@ -338,4 +330,4 @@ class SRSTE(base.Method, base.OptimizerTransforms):
           "%.3g] at its last round (%.3g) with lambda_W = %.4g (cap %.4g = %gx the start): "
           "the window ended, or the cap was reached, before the band.", self.steer_on,
           *band, last, chosen, self.max_decay, MAX_GROWTH)
-    ctx.write(ctx.step, report)
+    ctx.write(ctx.info.next_step, report)

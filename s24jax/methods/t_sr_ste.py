@@ -24,29 +24,10 @@ from s24jax.kernels import masks
 from s24jax import state as state_lib
 from s24jax.methods import base
 from s24jax.methods import sr_ste
+from s24jax.methods import straight_through
 
 # The per-step flip rate of the transposable mask of the latent W (`TSRSTE.extra_flip_rates`).
 TRANSPOSABLE_RATE = "flip_rate_transposable"
-
-
-@jax.custom_vjp
-def masked_ste24(w: jax.Array, mask: jax.Array, decay: jax.Array) -> jax.Array:
-  """Forward W~ = mask * W with a given (cached) 2:4 mask; backward STE + masked decay:
-  dL/dW := dL/dW~ + decay * (1 - mask) * W (`decay` is 0 unless the placement is
-  'backward'). The mask is a bool input and `decay` a hyper-parameter: no cotangents."""
-  return jnp.where(mask, w, 0)
-
-
-def _masked_ste24_fwd(w, mask, decay):
-  return masked_ste24(w, mask, decay), (w, mask, decay)
-
-
-def _masked_ste24_bwd(res, g):
-  w, mask, decay = res
-  return g + (decay * jnp.where(mask, 0, w)).astype(g.dtype), None, jnp.zeros_like(decay)
-
-
-masked_ste24.defvjp(_masked_ste24_fwd, _masked_ste24_bwd)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,10 +41,6 @@ class TSRSTE(sr_ste.SRSTE):
   # more than this fraction of entries: the cache follows the weights, however fast the
   # learning rate moves them (docs/algorithms.md, "Hu et al. 2024").
   mask_refresh_drift: float = 0.0
-  # The run's logging period and length (configure): the steps whose flip_rate_transposable
-  # the loop logs. 0 (not configured): measured every step.
-  log_every: int = dataclasses.field(default=0, metadata=base.INTERNAL)
-  total_steps: int = dataclasses.field(default=0, metadata=base.INTERNAL)
 
   def __post_init__(self):
     super().__post_init__()
@@ -71,10 +48,6 @@ class TSRSTE(sr_ste.SRSTE):
     if not 0.0 <= self.mask_refresh_drift < 1.0:
       raise ValueError(f"sparsity.{self.name}.mask_refresh_drift must be in [0, 1), got "
                        f"{self.mask_refresh_drift}")
-
-  def configure(self, run):
-    return dataclasses.replace(super().configure(run), log_every=run.log_every,
-                               total_steps=run.total_steps)
 
   def init_layer(self, kernel):
     plain = masks.nm_mask(kernel)
@@ -88,9 +61,9 @@ class TSRSTE(sr_ste.SRSTE):
     return masks.transposable_mask(kernel)
 
   def project(self, kernel, layer):
-    return masked_ste24(kernel, layer["mask"], self.backward_decay())
+    return straight_through.masked(kernel, layer["mask"], self.backward_decay())
 
-  def extra_flip_rates(self, before, after):
+  def extra_flip_rates(self, before, after, info):
     """`flip_rate_transposable` (per layer and global): transposable_mask(W_t) against
     transposable_mask(W_{t-1}), from the params before and after the step, so no mask is
     kept in the state. Two transposable masks per layer cost ~17% of a `small` CPU step
@@ -107,20 +80,12 @@ class TSRSTE(sr_ste.SRSTE):
     def skip():
       return jax.tree.map(lambda x: jnp.full(x.shape, jnp.nan, x.dtype), jax.eval_shape(measure))
 
-    return jax.lax.cond(self._transposable_rate_due(before.step), measure, skip)
-
-  def _transposable_rate_due(self, step: jax.Array) -> jax.Array:
-    """Whether step `step` (0-based) measures flip_rate_transposable (see extra_flip_rates)."""
-    if not self.log_every:
-      return jnp.asarray(True)
-    done = step + 1                                    # hooks.itstime's steps done
-    due = (done % self.log_every == 0) | (done == self.total_steps)
+    due = info.log
     if self.controlled:
-      n = self.decay_auto_steps
-      due = due | ((step >= n // 2) & (step < n))
-    return due
+      due = due | self.in_controller_window(info.step)
+    return jax.lax.cond(due, measure, skip)
 
-  def refresh(self, params, sparsity, step):
+  def refresh(self, params, sparsity, info):
     """Every step: the plain 2:4 mask of the updated W, its flip rate against the previous
     step's (`flip_rate`; the transposable mask's is `extra_flip_rates`'). At a
     refresh (after every k-th step, k = mask_refresh_every, or when the plain mask drifted
@@ -134,7 +99,7 @@ class TSRSTE(sr_ste.SRSTE):
     plain = {p: masks.nm_mask(w) for p, w in kernels.items()}
     metrics = base.flip_rates(plain, sparsity, entry="plain_mask")
     sparsity = state_lib.with_layer_entry(sparsity, "plain_mask", plain)
-    refresh = (step + 1) % self.mask_refresh_every == 0
+    refresh = jnp.asarray(info.next_step % self.mask_refresh_every == 0)
     if self.mask_refresh_drift:
       drift = base.flip_rates(plain, sparsity, entry="refresh_mask", name="drift")["drift"]
       metrics["mask_refresh/drift"] = drift

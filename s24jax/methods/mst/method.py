@@ -84,10 +84,11 @@ import optax
 from absl import logging
 
 from s24jax import attention_masks
-from s24jax import hooks
+from s24jax import chores as chores_lib
 from s24jax import metrics as metrics_lib
 from s24jax import state as state_lib
 from s24jax.methods import base
+from s24jax.methods import straight_through
 from s24jax.methods.mst import counts as counts_lib
 from s24jax.methods.mst import densities
 from s24jax.methods.mst import plot
@@ -173,19 +174,19 @@ class MST(base.Method, base.OptimizerTransforms, base.ModelPhases, base.DynamicD
                        "sparse_attention_end <= 1, got "
                        f"{self.sparse_attention_start}, {self.sparse_attention_end}")
 
-  def configure(self, run):
-    if run.scan_layers:   # per-layer counts need per-layer kernels
+  def configure(self, facts):
+    if facts.scan_layers:   # per-layer counts need per-layer kernels
       raise ValueError(f"sparsity.method={self.name!r} needs model.scan_layers=False "
                        "(its topology updates count weights per layer)")
-    if run.backend != "xla":   # fast backends assume 2:4; these masks are not
+    if facts.backend != "xla":   # fast backends assume 2:4; these masks are not
       raise ValueError(f"sparsity.method={self.name!r} (unstructured masks) needs "
-                       f"sparsity.backend='xla', got {run.backend!r}")
-    attention_masks.check_pattern(self.sparse_attention, run.attention_stride)
-    if not {"*/attn/*", "*/mlp/*", state_lib.HEAD} <= set(run.sparse_layers):
+                       f"sparsity.backend='xla', got {facts.backend!r}")
+    attention_masks.check_pattern(self.sparse_attention, facts.attention_stride)
+    if not {"*/attn/*", "*/mlp/*", state_lib.HEAD} <= set(facts.sparse_layers):
       logging.warning("mst: sparsity.sparse_layers=%s is not the reference's set (every linear "
                       "layer and the tied head: '*/attn/*', '*/mlp/*', 'wte'; "
-                      "experiments/gpt2_mst.py)", run.sparse_layers)
-    return dataclasses.replace(self, total_steps=run.total_steps)
+                      "experiments/gpt2_mst.py)", facts.sparse_layers)
+    return dataclasses.replace(self, total_steps=facts.total_steps)
 
   # -- the model: mask in the state, dense gradient, pruned weights stay 0 ---------------------
 
@@ -196,7 +197,10 @@ class MST(base.Method, base.OptimizerTransforms, base.ModelPhases, base.DynamicD
     return layer["mask"] if "mask" in layer else jnp.ones(kernel.shape, bool)
 
   def project(self, kernel, layer):
-    return topology.masked_dense_grad(kernel, layer["mask"])
+    """mask * W, straight through: the dense gradient reaches the pruned entries too (MST
+    grows where |dL/dW~| is largest); the 'raw' optimizer transform then keeps only the
+    active entries' gradients, so pruned weights stay exactly 0 under Adam."""
+    return straight_through.masked(kernel, layer["mask"])
 
   def model_at(self, step, model_cfg):
     pattern = schedule.attention_at(self, step, self.total_steps, model_cfg.attention)
@@ -209,10 +213,12 @@ class MST(base.Method, base.OptimizerTransforms, base.ModelPhases, base.DynamicD
     ordered = tuple((k, tuple(shapes[k])) for k in densities.reference_order(shapes))
     return counts_lib.plan(self, ordered, self.total_steps)
 
-  def update_due(self, step: int, total_steps: int | None = None) -> bool:
-    """Topology updates at steps Delta, 2 Delta, ... strictly below total_steps."""
+  def update_due(self, step, total_steps: int | None = None):
+    """Whether step `step` (an index; a host int, or traced inside the train step) updates
+    the topology: steps Delta, 2 Delta, ... strictly below total_steps. The one statement of
+    the rule: the host's plan and chores and the device's `update` all ask it."""
     total = self.total_steps if total_steps is None else total_steps
-    return 0 < step < total and step % int(self.update_every) == 0
+    return (step > 0) & (step < total) & (step % int(self.update_every) == 0)
 
   def active_weights(self, step, shapes):
     plan = self.plan(shapes)
@@ -270,14 +276,14 @@ class MST(base.Method, base.OptimizerTransforms, base.ModelPhases, base.DynamicD
 
     return [optax.GradientTransformationExtraArgs(lambda _: optax.EmptyState(), update_fn)]
 
-  def update(self, before, after, grads):
+  def update(self, before, after, grads, info):
     """Pruned weights stay 0; on an update step (t = Delta, 2 Delta, ... < total_steps, t the
     step index), new masks from the step's raw gradient and the weights before the step
     (after it with train_on_update_step), and the optimizer step undone except for the lr
     schedule count (the reference skips it)."""
     after = after.replace(params=state_lib.mask_sparse_kernels(after.params, after.sparsity))
-    step = before.step
-    due = (step > 0) & (step < self.total_steps) & (step % self.update_every == 0)
+    step = info.step
+    due = self.update_due(step)
     table = before.method_state.counts
     row = table[jnp.clip(step // self.update_every - 1, 0, table.shape[0] - 1)]
     paths = state_lib.sparse_layer_paths(before.sparsity)
@@ -326,23 +332,24 @@ class MST(base.Method, base.OptimizerTransforms, base.ModelPhases, base.DynamicD
 
   # -- the loop ---------------------------------------------------------------------------------
 
-  def chores(self, run):
-    def log_plan(ctx: hooks.Context) -> None:
+  def chores(self, facts):
+    def log_plan(ctx: chores_lib.Context) -> None:
       """What the update of this step does, as planned (its device metrics say what it did)."""
       if not ctx.sparse_phase:   # dense fine-tuning: no more updates
         return
       plan = self.plan(densities.layer_shapes(ctx.state.params, ctx.state.sparsity))
-      ctx.write(ctx.step, plan.scalars[plan.steps.index(ctx.step)])
+      ctx.write(ctx.info.step, plan.scalars[plan.steps.index(ctx.info.step)])
 
-    def plot_schedule(ctx: hooks.Context) -> None:
+    def plot_schedule(ctx: chores_lib.Context) -> None:
       records = metrics_lib.read_jsonl(ctx.metrics_path)
       steps, sparsity = metrics_lib.series(records, "mst/sparsity")
-      plot.plot_schedule(self, run.total_steps, run.attention_stride,
+      plot.plot_schedule(self, facts.total_steps, facts.attention_stride,
                          os.path.join(ctx.workdir, "mst_schedule.png"),
                          measured={"step": steps, "sparsity": sparsity})
 
-    return [*super().chores(run),
-            hooks.Hook(log_plan, before_step=True, due=self.update_due,
-                       name="MST topology update plan"),
-            hooks.Hook(plot_schedule, due=lambda step: step == run.total_steps,
-                       name="MST schedule plot")]
+    return [*super().chores(facts),
+            chores_lib.Chore(log_plan, before_step=True,
+                             due=lambda info: self.update_due(info.step),
+                             name="MST topology update plan"),
+            chores_lib.Chore(plot_schedule, due=lambda info: info.next_step == facts.total_steps,
+                             name="MST schedule plot")]

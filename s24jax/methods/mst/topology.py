@@ -1,6 +1,6 @@
 """MST's topology update on device (pure jnp; counts may be traced): drop and grow one layer,
-the optimizer state of a skipped step, Adam's moments reset, and the projection whose
-gradient is dense (docs/algorithms.md, MST, "Update")."""
+the optimizer state of a skipped step, Adam's moments reset (docs/algorithms.md, MST,
+"Update"). The projection is the shared straight-through rule (methods/straight_through.py)."""
 from __future__ import annotations
 
 from typing import Any
@@ -88,30 +88,3 @@ def update_rng(state: TrainState) -> jax.Array:
 
 def select(pred, a: Any, b: Any) -> Any:
   return jax.tree.map(lambda x, y: jnp.where(pred, x, y), a, b)
-
-
-# ---------------------------------------------------------------------------------------------
-# The projection: mask from the state, dense gradient.
-
-
-@jax.custom_vjp
-def masked_dense_grad(w: jax.Array, mask: jax.Array) -> jax.Array:
-  """Forward W~ = mask * W (any unstructured bool mask); backward dL/dW := dL/dW~, dense.
-
-  The dense gradient reaches the pruned entries too: MST grows connections where |dL/dW~|
-  is largest. MST's 'raw' optimizer transform then keeps only the active entries' gradients
-  (so pruned weights stay exactly 0 under Adam); the topology update reads the dense one
-  (the raw gradients `MST.update` receives).
-  """
-  return jnp.where(mask, w, 0)
-
-
-def _masked_dense_grad_fwd(w, mask):
-  return masked_dense_grad(w, mask), None
-
-
-def _masked_dense_grad_bwd(_, g):
-  return g, None   # the mask is a bool input: no cotangent
-
-
-masked_dense_grad.defvjp(_masked_dense_grad_fwd, _masked_dense_grad_bwd)
