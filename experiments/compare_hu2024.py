@@ -39,20 +39,20 @@ def _auto(method: str) -> dict:
 
 
 RUNS = [
-    compare.RunSpec("dense", "experiments/gpt2_dense.py:tiny"),
-    compare.RunSpec("ste", "experiments/gpt2_ste.py:tiny"),
-    compare.RunSpec("sr_ste_grad", SR_STE, {"sparsity.sr_ste.decay": 6e-5,
+    compare.Arm("dense", "experiments/gpt2_dense.py:tiny"),
+    compare.Arm("ste", "experiments/gpt2_ste.py:tiny"),
+    compare.Arm("sr_ste_grad", SR_STE, {"sparsity.sr_ste.decay": 6e-5,
                                             "sparsity.sr_ste.decay_placement": "gradients"}),
-    compare.RunSpec("sr_ste_weights", SR_STE, {"sparsity.sr_ste.decay": 6e-5,
+    compare.Arm("sr_ste_weights", SR_STE, {"sparsity.sr_ste.decay": 6e-5,
                                                "sparsity.sr_ste.decay_placement": "weights"}),
-    compare.RunSpec("recipe", RECIPE),
-    compare.RunSpec("sr_ste_grad_auto", SR_STE, {**_auto("sr_ste"),
+    compare.Arm("recipe", RECIPE),
+    compare.Arm("sr_ste_grad_auto", SR_STE, {**_auto("sr_ste"),
                                                  "sparsity.sr_ste.decay_placement": "gradients"}),
-    compare.RunSpec("recipe_auto", RECIPE, _auto("t_sr_ste")),
+    compare.Arm("recipe_auto", RECIPE, _auto("t_sr_ste")),
     # Ablations of the recipe: what MVUE and the 40-step mask refresh cost.
-    compare.RunSpec("recipe_no_mvue", RECIPE, {"sparsity.mvue": False}),
-    compare.RunSpec("recipe_refresh1", RECIPE, {"sparsity.t_sr_ste.mask_refresh_every": 1}),
-    compare.RunSpec("recipe_refresh40", RECIPE, {"sparsity.t_sr_ste.mask_refresh_drift": 0.0}),
+    compare.Arm("recipe_no_mvue", RECIPE, {"sparsity.mvue": False}),
+    compare.Arm("recipe_refresh1", RECIPE, {"sparsity.t_sr_ste.mask_refresh_every": 1}),
+    compare.Arm("recipe_refresh40", RECIPE, {"sparsity.t_sr_ste.mask_refresh_drift": 0.0}),
 ]
 
 EXTRA = {"train/method/decay": "lambda", "train/transposable_kept_ratio": "kept_ratio",

@@ -49,13 +49,13 @@ def main() -> None:
   if args.steps:   # keep a few evaluations in a shortened run
     common["eval_every"] = max(1, args.steps // 4)
   runs = [
-      compare.RunSpec("dense", f"experiments/gpt2_dense.py:{args.variant}", dict(common)),
-      compare.RunSpec("mst", f"experiments/gpt2_mst.py:{args.variant}", dict(common)),
-      compare.RunSpec("mst_no_sparse_attention", f"experiments/gpt2_mst.py:{args.variant}",
+      compare.Arm("dense", f"experiments/gpt2_dense.py:{args.variant}", dict(common)),
+      compare.Arm("mst", f"experiments/gpt2_mst.py:{args.variant}", dict(common)),
+      compare.Arm("mst_no_sparse_attention", f"experiments/gpt2_mst.py:{args.variant}",
                       {**common, "sparsity.mst.sparse_attention": "causal"}),
-      compare.RunSpec("mst_dense_head", f"experiments/gpt2_mst.py:{args.variant}",
+      compare.Arm("mst_dense_head", f"experiments/gpt2_mst.py:{args.variant}",
                       {**common, "sparsity.sparse_layers": DENSE_HEAD}),
-      compare.RunSpec("mst_ours_options", f"experiments/gpt2_mst.py:{args.variant}",
+      compare.Arm("mst_ours_options", f"experiments/gpt2_mst.py:{args.variant}",
                       {**common, **OURS}),
   ]
   table = compare.run_all(runs, args.root, extra_keys=FLOP_KEYS)

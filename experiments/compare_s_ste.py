@@ -30,14 +30,14 @@ from s24jax import metrics as metrics_lib
 S_STE = "experiments/gpt2_s_ste.py:tiny"
 
 
-def _s_ste(name: str, *, mvue=False, fp8=False, rescale_every=0) -> compare.RunSpec:
-  return compare.RunSpec(name, S_STE, {"sparsity.mvue": mvue, "sparsity.fp8": fp8,
+def _s_ste(name: str, *, mvue=False, fp8=False, rescale_every=0) -> compare.Arm:
+  return compare.Arm(name, S_STE, {"sparsity.mvue": mvue, "sparsity.fp8": fp8,
                                        "sparsity.s_ste.rescale_every": rescale_every})
 
 
 RUNS = [
-    compare.RunSpec("dense", "experiments/gpt2_dense.py:tiny"),
-    compare.RunSpec("ste", "experiments/gpt2_ste.py:tiny"),
+    compare.Arm("dense", "experiments/gpt2_dense.py:tiny"),
+    compare.Arm("ste", "experiments/gpt2_ste.py:tiny"),
     _s_ste("s_ste"),
     _s_ste("s_ste_mvue", mvue=True),
     _s_ste("s_ste_fp8", fp8=True),

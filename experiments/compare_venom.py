@@ -37,11 +37,11 @@ VENOM = "experiments/gpt2_venom.py:tiny"
 STATS = {"act_sparsity.stats_sequences": 16}
 
 RUNS = [
-    compare.RunSpec("gelu_dense", "experiments/gpt2_dense.py:tiny", dict(STATS)),
-    compare.RunSpec("relu2_dense", "experiments/gpt2_relu2_dense.py:tiny", dict(STATS)),
-    compare.RunSpec("relu2_act_vnm", VENOM, {**STATS, "sparsity.method": "dense"}),
-    compare.RunSpec("relu2_w24", VENOM, {**STATS, "act_sparsity.kind": "none"}),
-    compare.RunSpec("venom_recipe", VENOM, dict(STATS)),
+    compare.Arm("gelu_dense", "experiments/gpt2_dense.py:tiny", dict(STATS)),
+    compare.Arm("relu2_dense", "experiments/gpt2_relu2_dense.py:tiny", dict(STATS)),
+    compare.Arm("relu2_act_vnm", VENOM, {**STATS, "sparsity.method": "dense"}),
+    compare.Arm("relu2_w24", VENOM, {**STATS, "act_sparsity.kind": "none"}),
+    compare.Arm("venom_recipe", VENOM, dict(STATS)),
 ]
 
 

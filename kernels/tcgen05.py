@@ -2,7 +2,7 @@
 
 Status: compiled (devicelessly, for a B200: `python -m s24jax.kernels.compile_check --gpu b200`),
 never run. No Blackwell GPU was available to this project; the numerics tests
-(tests/test_kernels_tcgen05.py, marked `gpu`) are written and skip everywhere else.
+(tests/kernels/test_tcgen05_kernels.py, marked `gpu`) are written and skip everywhere else.
 
 What it computes: C = A~ B^T with A~ 2:4 sparse along K, given compressed, and B dense:
 

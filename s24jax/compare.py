@@ -2,8 +2,8 @@
 
     from s24jax import compare
     table = compare.run_all([
-        compare.RunSpec("dense", "experiments/gpt2_dense.py:tiny"),
-        compare.RunSpec("sr_ste", "experiments/gpt2_sr_ste.py:tiny",
+        compare.Arm("dense", "experiments/gpt2_dense.py:tiny"),
+        compare.Arm("sr_ste", "experiments/gpt2_sr_ste.py:tiny",
                         {"sparsity.sr_ste.decay": 6e-5}),
     ], root="runs/compare")
     print(table)
@@ -28,8 +28,9 @@ from s24jax import metrics as metrics_lib
 
 
 @dataclasses.dataclass
-class RunSpec:
-  """One run of a comparison: its name (the workdir under the root), config and overrides."""
+class Arm:
+  """One arm of a comparison: its name (the workdir under the root), config and overrides.
+  (Not a run_spec.RunSpec, which is what one run trains, built from a config.)"""
   name: str
   config: str                                   # "path/to/file.py[:variant]"
   overrides: dict[str, Any] = dataclasses.field(default_factory=dict)   # dotted path -> value
@@ -55,7 +56,7 @@ def _summary(workdir: str, wall: float, extra_keys: Sequence[str]) -> dict[str, 
   return row
 
 
-def run_all(runs: Sequence[RunSpec], root: str, *, extra_keys: Sequence[str] = (),
+def run_all(runs: Sequence[Arm], root: str, *, extra_keys: Sequence[str] = (),
             log=print) -> str:
   """Trains every run (skipping finished ones) and returns a markdown table."""
   rows = []
@@ -94,7 +95,7 @@ def markdown_table(rows, extra_keys: Sequence[str] = ()) -> str:
   return "\n".join(lines)
 
 
-def script_main(description: str, runs: Sequence[RunSpec], default_root: str, *,
+def script_main(description: str, runs: Sequence[Arm], default_root: str, *,
                 extra_keys: dict[str, str] | None = None, appendix=None, argv=None) -> str:
   """The shared command line of the experiments/compare_*.py scripts.
 
@@ -115,7 +116,7 @@ def script_main(description: str, runs: Sequence[RunSpec], default_root: str, *,
       raise SystemExit(f"unknown runs {unknown}; valid: {', '.join(r.name for r in runs)}")
     runs = [r for r in runs if r.name in names]
   if args.steps:
-    runs = [RunSpec(r.name, r.config, {**r.overrides, "total_steps": args.steps}) for r in runs]
+    runs = [Arm(r.name, r.config, {**r.overrides, "total_steps": args.steps}) for r in runs]
   extra_keys = extra_keys or {}
   table = run_all(runs, args.root, extra_keys=tuple(extra_keys))
   for key, short in extra_keys.items():

@@ -187,7 +187,7 @@ class Run:
                                               resume_step=step),
               step=step)
     run.final.update(run.writer.history)            # a resumed run's history so far
-    run.pending.extend(_load_pending(workdir, step))   # the steps a preemption left unlogged
+    run.pending.extend(preemption.load_pending(workdir, step))   # the steps a preemption left unlogged
     return run
 
 
@@ -258,37 +258,10 @@ def save_and_stop(run: "Run", guard: preemption.Guard) -> None:
     run.ckpt.save(run.step, run.state, force=True)
     run.ckpt.wait()
   if jax.process_index() == 0:
-    _save_pending(run.workdir, run.step, pending)
+    preemption.save_pending(run.workdir, run.step, pending)
   run.writer.flush()
   logging.warning("stopped at step %d: checkpoint saved in %s", run.step, run.ckpt.directory)
   raise preemption.Preempted(run.step, guard.signum)
-
-
-PENDING_FILE = "pending_metrics.json"
-
-
-def _save_pending(workdir: str, step: int, pending: list[dict]) -> None:
-  path = os.path.join(workdir, PENDING_FILE)
-  # With their dtypes: the log sums them as the uninterrupted run would (float32, not 64).
-  records = [{k: [np.asarray(v).tolist(), str(np.asarray(v).dtype)] for k, v in m.items()}
-             for m in pending]
-  with open(path + ".tmp", "w", encoding="utf-8") as f:
-    json.dump({"step": step, "metrics": records}, f)
-  os.replace(path + ".tmp", path)
-
-
-def _load_pending(workdir: str, step: int) -> list[dict]:
-  """The unlogged metrics a preempted run left for `step` (consumed: the file goes)."""
-  path = os.path.join(workdir, PENDING_FILE)
-  if not os.path.exists(path):
-    return []
-  with open(path, encoding="utf-8") as f:
-    data = json.load(f)
-  if jax.process_index() == 0:
-    os.remove(path)
-  if data.get("step") != step:
-    return []
-  return [{k: np.asarray(v, dtype) for k, (v, dtype) in m.items()} for m in data["metrics"]]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,10 +16,13 @@ collective). SIGINT keeps its default meaning there (KeyboardInterrupt on that h
 """
 from __future__ import annotations
 
+import json
+import os
 import signal
 import threading
 
 import jax
+import numpy as np
 from absl import logging
 from jax.experimental import multihost_utils
 
@@ -74,3 +77,33 @@ class Guard:
     if self._distributed:
       return multihost_utils.reached_preemption_sync_point(step)
     return self.signum is not None
+
+
+# The metrics a stop leaves unlogged, so the resumed run logs what an uninterrupted one would.
+PENDING_FILE = "pending_metrics.json"
+
+
+def save_pending(workdir: str, step: int, pending: list[dict]) -> None:
+  """The fetched metrics of the steps since the last log, kept for the resumed run of `step`
+  (written atomically; a preempted run's `save_and_stop` calls it)."""
+  path = os.path.join(workdir, PENDING_FILE)
+  # With their dtypes: the log sums them as the uninterrupted run would (float32, not 64).
+  records = [{k: [np.asarray(v).tolist(), str(np.asarray(v).dtype)] for k, v in m.items()}
+             for m in pending]
+  with open(path + ".tmp", "w", encoding="utf-8") as f:
+    json.dump({"step": step, "metrics": records}, f)
+  os.replace(path + ".tmp", path)
+
+
+def load_pending(workdir: str, step: int) -> list[dict]:
+  """The unlogged metrics a preempted run left for `step` (consumed: the file goes)."""
+  path = os.path.join(workdir, PENDING_FILE)
+  if not os.path.exists(path):
+    return []
+  with open(path, encoding="utf-8") as f:
+    data = json.load(f)
+  if jax.process_index() == 0:
+    os.remove(path)
+  if data.get("step") != step:
+    return []
+  return [{k: np.asarray(v, dtype) for k, (v, dtype) in m.items()} for m in data["metrics"]]

@@ -126,6 +126,14 @@ def _init_layer(method: methods_base.Method, kernel: jax.Array, path: str
                      f"{e}") from None
 
 
+def _gemm(module: nn.Module, sp: SparsityConfig) -> sparse_ops.GemmOptions:
+  """The layer's GEMM options; at initialisation the 'xla' reference, whatever the backend
+  (init needs shapes only, and a GPU kernel would check for its device while tracing)."""
+  if module.is_initializing():
+    return dataclasses.replace(sp.gemm, backend="xla")
+  return sp.gemm
+
+
 def _mvue_key(module: nn.Module, sp: SparsityConfig) -> jax.Array | None:
   """The layer's MVUE key for this step: per step from train_step's rngs={'mvue': ...}, per
   layer by make_rng (which folds in the module's path); None outside training."""
@@ -167,11 +175,7 @@ class SparseLinear(nn.Module):
       w = sp.method.project(kernel, dict(self.variables.get("sparsity", {})))
     if self.matmul is not None:
       return self._bias(self.matmul(x.astype(self.dtype), w))            # (..., out)
-    opts = None
-    if sparse:
-      # Initialisation only needs shapes: the reference backend (no kernels at init).
-      opts = (dataclasses.replace(sp.gemm, backend="xla") if self.is_initializing()
-              else sp.gemm)
+    opts = _gemm(self, sp) if sparse else None
     y = linear(x.astype(self.dtype), w, opts, key=_mvue_key(self, sp) if sparse else None,
                prepared=dict(self.variables.get(PREPARED, {})))           # (..., out)
     return self._bias(y)
@@ -237,10 +241,11 @@ class SparseEmbed(nn.Embed):
     sp = self.sparsity
     table = self._table()
     key = _mvue_key(self, sp)
+    opts = _gemm(self, sp)
 
     def sparse_head(x, chunk=None):
       k = key if key is None or chunk is None else jax.random.fold_in(key, chunk)
-      return linear(x.astype(self.dtype or x.dtype), table, sp.gemm, key=k)   # (..., vocab)
+      return linear(x.astype(self.dtype or x.dtype), table, opts, key=k)   # (..., vocab)
     return sparse_head
 
 

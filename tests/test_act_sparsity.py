@@ -1,9 +1,13 @@
-"""V:N:M activation sparsity (Haziza et al.): the op, its gradient rule, the model wiring,
-the measurement, and the loop's logging. References are plain jnp/NumPy written here; the
-V:N:M mask itself (`masks.venom_mask`) is checked against brute force in test_masks.py.
+"""Tests for s24jax/act_sparsity.py, V:N:M activation sparsity (Haziza et al.): the op, its
+gradient rule, the model wiring, the measurement, its chore (`stats_chores`) and the loop's
+logging. References are plain jnp/NumPy written here (the FFN written out, hand-derived
+gradients, statistics computed by hand or from activations captured by interception); the
+V:N:M mask itself (`masks.venom_mask`) is checked against brute force in the tests of
+kernels/masks.py.
 """
 import json
 import os
+import types
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +22,7 @@ from s24jax.act_sparsity import ActSparsityConfig
 from s24jax.model import GPT2, MLP, ModelConfig
 from s24jax.sparse_linear import SparsityConfig
 from s24jax.methods import registry
-from s24jax.methods import s_ste
+from s24jax.step_info import StepInfo
 
 from tiny import tiny_config
 
@@ -100,8 +104,9 @@ def test_bad_hidden_dimension_and_config_errors_name_the_field():
 
 def _mlp(projection="dense", act="none", mlp_ratio=4.0, **act_fields):
   act_fields = {"v": V, **act_fields}
+  # float32 compute (the default 'auto' is bfloat16 on a GPU): the references are float32.
   cfg = ModelConfig(vocab_size=64, seq_len=16, num_layers=1, num_heads=2, d_model=16,
-                    mlp_ratio=mlp_ratio, activation="relu2",
+                    mlp_ratio=mlp_ratio, activation="relu2", dtype="float32",
                     sparsity=SparsityConfig(method=registry.get_method(projection),
                                             sparse_layers=("fc", "proj")),
                     act=ActSparsityConfig(kind=act, **act_fields))
@@ -115,7 +120,7 @@ def _mlp_reference(variables, x, *, act_mask: bool, projected: bool):
   def weight(name):
     w = p[name]["kernel"]
     if projected:   # S-STE forward: beta * S(W) with the stored scale
-      return variables["sparsity"][name]["scale"] * s_ste.soft_threshold24(w)
+      return variables["sparsity"][name]["scale"] * masks.soft_threshold24(w)
     return w
 
   h = jnp.square(jax.nn.relu(x @ weight("fc").T + p["fc"]["bias"]))           # (B, T, H)
@@ -135,8 +140,9 @@ def test_mlp_equals_plain_reference(projection, act):
   np.testing.assert_allclose(mlp.apply(variables, x), want, rtol=1e-5, atol=1e-5)
 
 
-def _gpt(**overrides):
-  c = tiny_config("dense", model__activation="relu2", act_sparsity__v=V, **overrides)
+def _gpt(overrides=None):
+  c = tiny_config("dense", overrides={"model.activation": "relu2", "act_sparsity.v": V,
+                                      **(overrides or {})})
   return GPT2(model_lib.model_config(c)), c
 
 
@@ -145,8 +151,8 @@ def test_keep_all_venom_model_equals_the_model_without_act_sparsity():
   (That 'none' is the plain relu2 FFN is checked against jnp in test_mlp_equals_plain_...)"""
   tokens = jax.random.randint(jax.random.key(9), (2, 16), 0, 50257)
   none, _ = _gpt()      # the relu2 model as it was before act sparsity existed
-  keep_all, _ = _gpt(act_sparsity__kind="venom", act_sparsity__n=4, act_sparsity__m=4)
-  venom, _ = _gpt(act_sparsity__kind="venom")
+  keep_all, _ = _gpt({"act_sparsity.kind": "venom", "act_sparsity.n": 4, "act_sparsity.m": 4})
+  venom, _ = _gpt({"act_sparsity.kind": "venom"})
   params = none.init(jax.random.key(0), tokens)["params"]
   ref = none.apply({"params": params}, tokens)
   np.testing.assert_allclose(keep_all.apply({"params": params}, tokens), ref, rtol=1e-6,
@@ -155,7 +161,8 @@ def test_keep_all_venom_model_equals_the_model_without_act_sparsity():
 
 
 def test_dense_twin_switches_off_weight_and_activation_sparsity():
-  c = tiny_config("s_ste", model__activation="relu2", act_sparsity__kind="venom")
+  c = tiny_config("s_ste", overrides={"model.activation": "relu2",
+                                      "act_sparsity.kind": "venom"})
   cfg = model_lib.model_config(c)
   twin = cfg.dense_twin()
   assert (twin.sparsity.method.name, twin.act.kind) == ("dense", "none")
@@ -240,7 +247,7 @@ def test_stats_hand_computed():
 
 def test_activation_stats_per_layer_match_the_captured_activations():
   """activation_stats vs the stats of each layer's proj input, captured by interception."""
-  model, _ = _gpt(model__num_layers=2)
+  model, _ = _gpt({"model.num_layers": 2})
   tokens = jax.random.randint(jax.random.key(12), (4, 16), 0, 50257)
   params = model.init(jax.random.key(0), tokens)["params"]
   captured = {}
@@ -267,21 +274,80 @@ def test_activation_stats_per_layer_match_the_captured_activations():
   assert not isinstance(model.apply({"params": params}, tokens), tuple)
 
 
+def _proj_inputs(model, params, tokens):
+  """{layer: the input of its FFN's second matmul}, captured by interception (flax)."""
+  captured = {}
+
+  def grab(next_fun, args, kwargs, context):
+    if context.module.name == "proj" and context.method_name == "__call__":
+      captured[context.module.path[0]] = np.asarray(args[0])
+    return next_fun(*args, **kwargs)
+
+  import flax.linen as nn   # pylint: disable=g-import-not-at-top
+  with nn.intercept_methods(grab):
+    model.apply({"params": params}, tokens)
+  return captured
+
+
+@pytest.mark.parametrize("stats_sequences,rows_measured", [(2, 2), (8, 4)])
+def test_stats_chore_measures_the_first_sequences_of_logged_steps(stats_sequences,
+                                                                   rows_measured):
+  """The loop's chore: before the train step (it sees the step's batch), only on logged
+  steps, one forward on the first min(stats_sequences, batch_size) sequences, written at the
+  step's next_step as Python floats. Reference: NumPy statistics of the activations of those
+  sequences, captured by interception."""
+  assert act_sparsity.stats_chores(_gpt({"act_sparsity.stats_sequences": 0})[1]) == []
+  model, c = _gpt({"act_sparsity.kind": "venom",
+                   "act_sparsity.stats_sequences": stats_sequences})
+  assert c.batch_size == 4
+  [chore] = act_sparsity.stats_chores(c)
+  assert chore.before_step and not chore.training
+  assert chore.is_due(StepInfo(step=2, log=True), total=10)
+  assert not chore.is_due(StepInfo(step=3, log=False), total=10)
+  assert chore.is_due(StepInfo.at(9, log_every=4, total=10), total=10)       # the last step
+  assert not chore.is_due(StepInfo.at(8, log_every=4, total=10), total=10)
+
+  tokens = jax.random.randint(jax.random.key(15), (4, 16), 0, 50257)
+  params = model.init(jax.random.key(0), tokens)["params"]
+  written = []
+  run = types.SimpleNamespace(
+      state=types.SimpleNamespace(params=params, sparsity={}), batch={"inputs": tokens},
+      model=model, info=StepInfo(step=6, log=True),
+      write=lambda step, scalars: written.append((step, dict(scalars))))
+  chore.fn(run)
+  [(step, got)] = written
+  assert step == 7                                                    # info.next_step
+  assert all(type(v) is float for v in got.values())   # pylint: disable=unidiomatic-typecheck
+  # The activations before the V:N:M mask: the proj input of the same model without it.
+  plain, _ = _gpt()
+  rows = _proj_inputs(plain, params, tokens[:rows_measured])["h_0"].reshape(-1, 128)
+  a = np.abs(rows)
+  kept = a[np.asarray(masks.venom_mask(jnp.asarray(rows), V, N, M))].sum() / a.sum()
+  np.testing.assert_allclose(got["act/zero_frac/h_0"], np.mean(rows == 0), rtol=1e-6)
+  np.testing.assert_allclose(got["act/kept_l1/h_0"], kept, rtol=1e-5)
+  assert got["act/kept_l1"] == got["act/kept_l1/h_0"]
+  # Measuring all four sequences gives other numbers: the chore did take the first ones.
+  all_rows = _proj_inputs(plain, params, tokens)["h_0"].reshape(-1, 128)
+  if rows_measured < 4:
+    assert got["act/zero_frac/h_0"] != pytest.approx(float(np.mean(all_rows == 0)), abs=1e-7)
+
+
 # ----------------------------------------------------------------------------------------
 # The loop: sparse-then-dense with activation statistics logged and plotted
 # ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_loop_logs_activation_stats_through_sparse_and_dense_phases(tmp_path, data_cache):
-  c = tiny_config("s_ste", steps=4, workdir_cache=data_cache, model__activation="relu2",
-                  act_sparsity__kind="venom", act_sparsity__v=16,
-                  sparsity__dense_finetune_fraction=0.5, act_sparsity__stats_sequences=2,
-                  checkpoint_every=4)
+  c = tiny_config("s_ste", steps=4, workdir_cache=data_cache, overrides={
+      "model.activation": "relu2", "act_sparsity.kind": "venom", "act_sparsity.v": 16,
+      "sparsity.dense_finetune_fraction": 0.5, "act_sparsity.stats_sequences": 2,
+      "checkpoint_every": 4})
   workdir = str(tmp_path)
   final = loop.train_and_evaluate(c, workdir)
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     records = [json.loads(line) for line in f]
-  # Each hook writes its own record; what one step logged is the union of its records.
+  # Each chore writes its own record; what one step logged is the union of its records.
   by_step = {}
   for r in records:
     by_step.setdefault(r["step"], {}).update(r)

@@ -1,5 +1,6 @@
-"""Tests for s24jax.attention_masks and the model's attention-pattern hook (MST Hybrid Sparse
-Attention): every mask against a double loop written from the definition."""
+"""Tests for s24jax/attention_masks.py and the model's attention-pattern hook (MST Hybrid
+Sparse Attention): every mask against a double loop written from the definition, pair counts
+computed by hand, and the model's attention layer against plain NumPy attention (float64)."""
 from __future__ import annotations
 
 import dataclasses
@@ -72,8 +73,10 @@ def _attention_np(x, w_qkv, b_qkv, w_out, b_out, nh, allowed):
 @pytest.mark.parametrize("pattern", attention_masks.PATTERNS)
 def test_model_attention_uses_the_pattern(pattern):
   T, C, nh, l = 12, 16, 2, 3
+  # float32 XLA attention everywhere (the defaults 'auto' pick bfloat16 and cuDNN on a GPU).
   cfg = ModelConfig(vocab_size=64, seq_len=T, num_layers=1, num_heads=nh, d_model=C,
-                    attention=pattern, attention_stride=l)
+                    attention=pattern, attention_stride=l, dtype="float32",
+                    attention_impl="xla")
   layer = CausalSelfAttention(cfg)
   x = jax.random.normal(jax.random.PRNGKey(0), (1, T, C))
   params = layer.init(jax.random.PRNGKey(1), x)

@@ -1,4 +1,7 @@
-"""Every experiment file and variant builds a config and an abstract model, without running."""
+"""Tests for experiments/: every experiment file and variant builds its config and its
+RunSpec (method, model, abstract train state) without running, with GPT-2's published
+parameter counts as the reference for the paper sizes; the comparison script's table and
+overrides against values computed here."""
 import glob
 import os
 
@@ -9,10 +12,9 @@ import pytest
 
 from s24jax import config_files
 from s24jax import config as config_lib
-from s24jax import loop
-from s24jax import train
 from s24jax.methods import registry
 from s24jax.model import GPT2
+from s24jax.run_spec import RunSpec
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FILES = sorted(glob.glob(os.path.join(REPO, "experiments", "gpt2_*.py")))
@@ -35,9 +37,9 @@ def test_builds_config_and_abstract_state(path, variant):
   scanned = config.model.scan_layers
   if not scanned:
     config.model.num_layers = 1
-  _, model_cfg, tx_fn = loop.build(config)
-  model, dense_model = GPT2(model_cfg), GPT2(model_cfg.dense_twin())
-  abstract = jax.eval_shape(lambda: train.fresh_state(model, tx_fn, config.seed))
+  spec = RunSpec.build(config)
+  model, dense_model = GPT2(spec.model_cfg), GPT2(spec.model_cfg.dense_twin())
+  abstract = spec.abstract_state
   count = lambda tree: sum(x.size for x in jax.tree.leaves(tree))
   if scanned:
     assert abstract.params["h"]["mlp"]["fc"]["kernel"].shape[0] == num_layers

@@ -1,4 +1,5 @@
-"""The import graph of s24jax/ and kernels/ (installed as s24jax.kernels), read from the source.
+"""Tests of the source layout of s24jax/ and kernels/ (installed as s24jax.kernels), read from
+the source files (nothing is imported): the import graph, the package structure, file sizes.
 
 Every import statement counts, at module level or inside a function (a function-local import
 is still a dependency, only a later one); imports under `if TYPE_CHECKING:` never run and are
@@ -10,13 +11,25 @@ Checked:
     modules with the line of each import;
   * kernels/ imports no s24jax module outside s24jax.kernels (it is installable and testable
     without the training library);
-  * no library module imports a tool (the command-line modules in TOOLS).
+  * no library module imports a tool (the command-line modules in TOOLS);
+  * the restructured modules are where they belong: s24jax/sparse_ops/ is a package with one
+    file per backend (never again the single s24jax/sparse_ops.py), reached by the rest of
+    the library only through the package (`get_backend`); chores.py, step_info.py and
+    run_spec.py exist and hooks.py is gone; step_info.py, which the methods, the step and
+    the loop all read, imports no s24jax module;
+  * no source file is over MAX_LINES lines unless its module docstring says why, in a
+    sentence that gives the count ("Over 400 lines, ...") and a reason (as kernels/_common.py
+    does).
+
+The scanner and the docstring rule are themselves tested on planted files, so the checks
+cannot pass vacuously.
 """
 from __future__ import annotations
 
 import ast
 import os
 import pathlib
+import re
 
 import pytest
 
@@ -28,6 +41,16 @@ KERNELS = "s24jax.kernels"
 TOOLS = ("s24jax.plan", "s24jax.compare", "s24jax.kernels.bench",
          "s24jax.kernels.compile_check", "launch")
 EXTRA_MODULES = {"launch": "launch.py"}   # tools outside the package (scanned, and a target)
+SPARSE_OPS = "s24jax.sparse_ops"
+# One file per backend of the sparse linear op (s24jax/sparse_ops/<name>.py), and the shared
+# ones; the rest of the library reaches a backend only through the package (`get_backend`).
+SPARSE_OPS_BACKENDS = ("xla", "pallas", "tcgen05", "cusparselt")
+SPARSE_OPS_SHARED = ("backend", "common", "options")
+# Modules of the restructuring that must exist, and the ones they replaced.
+REQUIRED_MODULES = ("s24jax.chores", "s24jax.step_info", "s24jax.run_spec", SPARSE_OPS,
+                    *(f"{SPARSE_OPS}.{m}" for m in SPARSE_OPS_BACKENDS + SPARSE_OPS_SHARED))
+RETIRED_MODULES = ("s24jax.hooks",)
+MAX_LINES = 400
 
 
 def find_modules(root: pathlib.Path, package_dirs=PACKAGE_DIRS,
@@ -198,7 +221,7 @@ class _Graph(tuple):
 @pytest.fixture(scope="module")
 def graph():
   mods = find_modules(ROOT)
-  assert f"{KERNELS}._common" in mods and "s24jax.sparse_ops" in mods, sorted(mods)
+  assert f"{KERNELS}._common" in mods and SPARSE_OPS in mods, sorted(mods)
   return _Graph((mods, import_edges(mods)))
 
 
@@ -256,3 +279,94 @@ def test_the_scan_sees_function_local_relative_cycles(tmp_path):
   assert path.startswith("pkg.a (") and path.endswith("-> pkg.a"), path
   assert [step.split(" (")[0] for step in path.split(" -> ")] == [
       "pkg.a", "pkg.b", "pkg.sub.c", "pkg.a"], path
+
+
+# ----------------------------------------------------------------------------------------------
+# The restructured modules
+# ----------------------------------------------------------------------------------------------
+
+
+def test_restructured_modules_exist_and_retired_ones_are_gone(graph):
+  mods, _ = graph
+  assert [m for m in REQUIRED_MODULES if m not in mods] == [], sorted(mods)
+  assert [m for m in RETIRED_MODULES if m in mods] == []
+
+
+def test_sparse_ops_is_a_package_with_one_file_per_backend(graph):
+  mods, edges = graph
+  folder = ROOT / "s24jax" / "sparse_ops"
+  assert not (ROOT / "s24jax" / "sparse_ops.py").exists(), (
+      "s24jax/sparse_ops.py is back as a single file; the op is the package s24jax/sparse_ops/ "
+      "with one file per backend")
+  assert mods[SPARSE_OPS] == folder / "__init__.py"
+  for name in SPARSE_OPS_BACKENDS:
+    assert mods[f"{SPARSE_OPS}.{name}"] == folder / f"{name}.py"
+    # The package registers every backend: its __init__ imports each backend's file.
+    assert f"{SPARSE_OPS}.{name}" in edges[SPARSE_OPS], (name, sorted(edges[SPARSE_OPS]))
+  backends = {f"{SPARSE_OPS}.{name}" for name in SPARSE_OPS_BACKENDS}
+  bad = [f"{a} ({os.path.relpath(mods[a], ROOT)}:{line}) imports {b}"
+         for a in sorted(edges) if not _in(a, SPARSE_OPS)
+         for b, line in sorted(edges[a].items()) if b in backends]
+  assert not bad, ("outside s24jax.sparse_ops, reach a backend through the package "
+                   "(sparse_ops.get_backend), not its module:\n  " + "\n  ".join(bad))
+
+
+def test_step_info_imports_nothing_of_s24jax(graph):
+  """step_info.py is read by the methods (on the device), the step, the chores and the loop:
+  it stays a leaf."""
+  mods, edges = graph
+  assert edges["s24jax.step_info"] == {}, edges["s24jax.step_info"]
+
+
+# ----------------------------------------------------------------------------------------------
+# File sizes
+# ----------------------------------------------------------------------------------------------
+
+
+def length_reason(docstring: str | None, limit: int = MAX_LINES) -> str | None:
+  """The sentence of a module docstring that says why the file is over `limit` lines: it
+  gives a count of at least `limit` ('Over 400 lines', '450 lines') followed by a reason (at
+  least six more words). None if there is no such sentence."""
+  text = " ".join((docstring or "").split())
+  for sentence in re.split(r"(?<=[.!?])\s+", text):
+    match = re.search(r"\b(\d+)\s+lines\b", sentence)
+    if match and int(match.group(1)) >= limit and len(sentence[match.end():].split()) >= 6:
+      return sentence
+  return None
+
+
+def source_files(root: pathlib.Path = ROOT) -> list[pathlib.Path]:
+  """Every .py file of the library (the folders of PACKAGE_DIRS)."""
+  return sorted(p for folder in PACKAGE_DIRS for p in (root / folder).rglob("*.py")
+                if "__pycache__" not in p.parts)
+
+
+def test_no_file_over_the_line_limit_without_a_reason():
+  files = source_files()
+  assert len(files) > 50 and ROOT / "kernels" / "_common.py" in files
+  over = {p: len(p.read_text().splitlines()) for p in files}
+  over = {p: n for p, n in over.items() if n > MAX_LINES}
+  bad = [f"{os.path.relpath(p, ROOT)}: {n} lines" for p, n in sorted(over.items())
+         if length_reason(ast.get_docstring(ast.parse(p.read_text(), str(p)))) is None]
+  assert not bad, (
+      f"files over {MAX_LINES} lines whose module docstring does not say why (a sentence "
+      f"such as '(Over {MAX_LINES} lines, one module on purpose: <reason>.)'; see "
+      "kernels/_common.py), or split them:\n  " + "\n  ".join(bad))
+
+
+def test_the_length_rule_needs_a_count_and_a_reason():
+  """The rule above on planted docstrings: a count without a reason, or 'lines' in another
+  sense, does not excuse a long file."""
+  common = ast.get_docstring(ast.parse((ROOT / "kernels" / "_common.py").read_text()))
+  assert length_reason(common).startswith("(Over 400 lines, one module on purpose:")
+  assert length_reason("Top.\n\n(Over 400 lines, one module on purpose: the format and\n"
+                       "its helpers are one contract.)") is not None
+  assert length_reason("It has 512 lines because the three kernels share one tiling.")
+  assert length_reason("Over 400 lines.") is None                       # no reason
+  assert length_reason("Over 400 lines. The kernels share one tiling and must stay "
+                       "together.") is None                              # not in one sentence
+  assert length_reason("The loop, a few lines around chores, runs them in order each "
+                       "step.") is None                                  # no count
+  assert length_reason("Reads 12 lines of the header and then every record that "
+                       "follows.") is None                               # a small count
+  assert length_reason(None) is None

@@ -1,184 +1,81 @@
-"""The training loop end to end on a tiny model: learning, resume, phases, errors."""
-import dataclasses
-import hashlib
-import json
-import os
-import signal
-import subprocess
-import sys
-import time
-
+"""Tests for s24jax/train.py: gradient accumulation is the same math as one big batch (the
+k = 1 step as the reference, for a dense, a stateless and a stateful sparse method), and
+with MVUE each micro-batch draws its own key: the accumulated gradient equals the sum of
+separate `value_and_grad`s of the model, written out here with fold_in(key, i) per
+micro-batch."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flax import traverse_util
-
-from s24jax import checkpoint as ckpt_lib
-from s24jax import config_files
-from s24jax import loop, phases, train
+from s24jax import train
 from s24jax import model as model_lib
 from s24jax import state as state_lib
+from s24jax.run_spec import RunSpec
 
 from tiny import tiny_config
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+def _setup(method="dense", overrides=None):
+  cfg = tiny_config(method, overrides={"batch_size": 8, **(overrides or {})})
+  spec = RunSpec.build(cfg)
+  model = model_lib.GPT2(spec.model_cfg)
+  state = spec.fresh_state(0)
+  tokens = np.random.default_rng(0).integers(0, 1000, (8, cfg.model.seq_len + 1))
+  batch = {"inputs": jnp.asarray(tokens[:, :-1], jnp.int32),
+           "targets": jnp.asarray(tokens[:, 1:], jnp.int32)}
+  return cfg, model, spec.tx(state.params, state.sparsity), state, batch
 
 
-def _losses(workdir):
-  out = {}
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    for line in f:
-      r = json.loads(line)
-      if "train/loss" in r:
-        out[r["step"]] = r["train/loss"]
-  return out
+def _copy(tree):
+  return jax.tree.map(jnp.copy, tree)
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory, data_cache):
-  workdir = str(tmp_path_factory.mktemp("full"))
-  final = loop.train_and_evaluate(tiny_config("s_ste", steps=6, workdir_cache=data_cache), workdir)
-  return workdir, final
+@pytest.mark.parametrize("projection,overrides", [
+    ("dense", {}),
+    ("s_ste", {"sparsity.mvue": False, "sparsity.fp8": False}),
+    ("t_sr_ste", {"sparsity.t_sr_ste.decay": 1e-2, "sparsity.t_sr_ste.mask_refresh_every": 2}),
+])
+def test_accumulation_is_the_same_math_as_one_big_batch(projection, overrides):
+  cfg, model, tx, state, batch = _setup(projection, overrides)
+  runs = {}
+  for k in (1, 4):
+    st, losses_ = _copy(state), []
+    for _ in range(3):
+      st, m = train.train_step(st, batch, model=model, tx=tx, accum_steps=k)
+      losses_.append(float(m["loss"]) / float(m["count"]))
+    runs[k] = (st, losses_)
+  np.testing.assert_allclose(runs[4][1], runs[1][1], rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(runs[4][0].params), jax.tree.leaves(runs[1][0].params)):
+    # Adam turns float-summation noise of near-zero gradients into O(lr) moves: tolerance ~lr/100
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+  # the method's per-step state advanced once per step, not once per micro-batch
+  assert int(runs[4][0].step) == 3
+  for p in state_lib.sparse_layer_paths(runs[4][0].sparsity):
+    np.testing.assert_array_equal(state_lib.get_path(runs[4][0].sparsity, p)["mask"],
+                                  state_lib.get_path(runs[1][0].sparsity, p)["mask"])
 
 
-def test_training_is_finite_and_reduces_loss(uninterrupted):
-  workdir, final = uninterrupted
-  losses = _losses(workdir)
-  assert sorted(losses) == [1, 2, 3, 4, 5, 6]
-  assert all(np.isfinite(v) for v in losses.values())
-  assert losses[6] < losses[1] - 0.5, losses
-  assert np.isfinite(final["val/loss"]) and 0 <= final["train/flip_rate"] <= 1
-  for name in ("metrics.jsonl", "metrics.png", "config.json", "final_metrics.json"):
-    assert os.path.exists(os.path.join(workdir, name)), name
-  assert any(f.startswith("events.out.tfevents") for f in os.listdir(os.path.join(workdir, "tensorboard")))
-  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["2", "4", "6"]
-
-
-def test_stop_and_resume_gives_identical_losses(uninterrupted, tmp_path, data_cache):
-  workdir = str(tmp_path / "resumed")
-  loop.train_and_evaluate(tiny_config("s_ste", steps=6, workdir_cache=data_cache, stop_at_step=3),
-                          workdir)
-  assert sorted(_losses(workdir)) == [1, 2, 3]
-  loop.train_and_evaluate(tiny_config("s_ste", steps=6, workdir_cache=data_cache), workdir)
-  # step 3 was computed twice (after the kill the run resumes from the step-2 checkpoint)
-  assert _losses(workdir) == _losses(uninterrupted[0])
-  # The resumed run changed one field: its config names it (s24jax/workdir.py).
-  with open(os.path.join(workdir, "config.resumed_at_2.json")) as f:
-    resumed = json.load(f)
-  assert resumed["changed"] == {"stop_at_step": {"was": 3, "now": -1}}
-  assert resumed["config"]["total_steps"] == 6
-
-
-def _tree_digest(path):
-  h = hashlib.sha256()
-  for root, _, files in sorted(os.walk(path)):
-    for f in sorted(files):
-      p = os.path.join(root, f)
-      h.update(p.encode())
-      with open(p, "rb") as fh:
-        h.update(fh.read())
-  return h.hexdigest()
-
-
-def test_mismatched_checkpoint_is_a_clear_error_and_nothing_changes(uninterrupted, data_cache):
-  workdir = uninterrupted[0]
-  before = _tree_digest(workdir)
-  cfg = tiny_config("s_ste", steps=8, workdir_cache=data_cache, model__d_model=64)
-  with pytest.raises(ckpt_lib.CheckpointMismatchError, match="does not match this config"):
-    loop.train_and_evaluate(cfg, workdir)
-  cfg = tiny_config("ste", steps=8, workdir_cache=data_cache)   # no 'scale' state for STE
-  with pytest.raises(ckpt_lib.CheckpointMismatchError, match="scale"):
-    loop.train_and_evaluate(cfg, workdir)
-  assert _tree_digest(workdir) == before
-
-
-def test_dense_finetuning_switches_phase_and_starts_from_projected_weights(tmp_path, data_cache):
-  cfg = tiny_config("ste", steps=4, workdir_cache=data_cache, sparsity__dense_finetune_fraction=0.5)
-  workdir = str(tmp_path)
-  loop.train_and_evaluate(cfg, workdir)
-  recs = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl"))]
-  phase = {r["step"]: r["train/dense_phase"] for r in recs if "train/dense_phase" in r}
-  assert phase == {1: 0.0, 2: 0.0, 3: 1.0, 4: 1.0}
-  flips = {r["step"] for r in recs if "train/flip_rate" in r}
-  assert flips == {1, 2}                                   # no mask in the dense phase
-
-
-def test_entering_dense_finetuning_projected_or_latent():
-  method, model_cfg, tx_fn = loop.build(tiny_config("s_ste"))
-  st = train.fresh_state(model_lib.GPT2(model_cfg), tx_fn, 0)
-  # 'latent' (the default, the reference code's): the dense phase continues from W itself.
-  assert model_cfg.dense_twin().sparsity.dense_finetune_init == "latent"
-  assert phases.enter(st, model_cfg, model_cfg.dense_twin()) is st
-  dense = model_cfg.dense_twin()
-  dense = dataclasses.replace(dense, sparsity=dataclasses.replace(
-      dense.sparsity, dense_finetune_init="projected"))
-  projected = phases.enter(st, model_cfg, dense).params
-  for path in state_lib.sparse_layer_paths(st.sparsity):
-    kernel = state_lib.get_path(st.params, path)["kernel"]
-    layer = state_lib.get_path(st.sparsity, path)
-    want = layer["scale"] * np.asarray(                     # beta * S(W), S per group of 4
-        jax.vmap(lambda g: jnp.sign(g) * jnp.maximum(jnp.abs(g) - jnp.sort(jnp.abs(g))[1], 0))(
-            kernel.reshape(-1, 4))).reshape(kernel.shape)
-    np.testing.assert_allclose(state_lib.get_path(projected, path)["kernel"], want, rtol=1e-6)
-  np.testing.assert_array_equal(projected["wte"]["embedding"], st.params["wte"]["embedding"])
-  # Moving between two sparse models (e.g. an attention window) changes nothing.
-  assert phases.enter(st, model_cfg, model_cfg) is st
-
-
-_MULTI = r"""
-import json, sys
-sys.path.insert(0, {tests!r})
-import jax
-from s24jax import loop
-from s24jax import phases
-from tiny import tiny_config
-assert jax.device_count() == 4, jax.devices()
-loop.train_and_evaluate(tiny_config("sr_ste", steps=4, workdir_cache={cache!r},
-                                    sparsity__sr_ste__decay=1e-2), {workdir!r})
-"""
-
-
-def test_four_devices_match_one_device(tmp_path, data_cache):
-  one = str(tmp_path / "one")
-  loop.train_and_evaluate(tiny_config("sr_ste", steps=4, workdir_cache=data_cache,
-                                      sparsity__sr_ste__decay=1e-2), one)
-  four = str(tmp_path / "four")
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-  script = _MULTI.format(tests=os.path.join(REPO, "tests"), cache=data_cache, workdir=four)
-  subprocess.run([sys.executable, "-c", script], check=True, env=env, cwd=REPO, timeout=600)
-  l1, l4 = _losses(one), _losses(four)
-  assert sorted(l1) == sorted(l4) == [1, 2, 3, 4]
-  np.testing.assert_allclose([l4[k] for k in l4], [l1[k] for k in l1], rtol=2e-5)
-
-
-def _flat(config):
-  return {k: v for k, v in traverse_util.flatten_dict(config.to_dict(), sep=".").items()
-          if v is not None and not isinstance(v, (tuple, list))}
-
-
-def test_sigkill_and_restart_reaches_the_same_losses(uninterrupted, tmp_path, data_cache):
-  """A real SIGKILL in the middle of a run, then the same command again."""
-  workdir = str(tmp_path / "killed")
-  cmd = [sys.executable, os.path.join(REPO, "launch.py"), "--config",
-         os.path.join(REPO, "experiments", "gpt2_s_ste.py") + ":tiny", "--workdir", workdir]
-  # the test config, expressed as --config overrides of the experiment file's tiny variant
-  want = _flat(tiny_config("s_ste", steps=6, workdir_cache=data_cache))
-  have = _flat(config_files.load_config(cmd[3]))
-  cmd += [f"--config.{k}={v}" for k, v in want.items() if have.get(k) != v]
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  proc = subprocess.Popen(cmd + ["--config.stop_at_step=-1"], env=env, cwd=REPO,
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                          start_new_session=True)
-  ckpt2 = os.path.join(workdir, "checkpoints", "2")
-  deadline = time.time() + 300
-  while not os.path.exists(ckpt2) and proc.poll() is None and time.time() < deadline:
-    time.sleep(0.02)
-  os.killpg(proc.pid, signal.SIGKILL)
-  proc.wait()
-  assert proc.returncode == -signal.SIGKILL
-  assert not os.path.exists(os.path.join(workdir, "final_metrics.json")), "killed too late"
-  subprocess.run(cmd, env=env, cwd=REPO, check=True, timeout=600,
-                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-  assert _losses(workdir) == _losses(uninterrupted[0])
+def test_mvue_draws_an_independent_key_per_micro_batch():
+  """With MVUE, accumulation over k micro-batches equals the sum of k separate gradients,
+  micro-batch i (rows i, i+k, ...) drawn with fold_in(key, i): computed independently."""
+  cfg, model, _, state, batch = _setup("s_ste", {"sparsity.mvue": True, "sparsity.fp8": False})
+  key = jax.random.key(7)
+  grads_fn = jax.jit(train.loss_and_grads, static_argnames=("model", "accum_steps"))
+  total, grads = grads_fn(state.params, state.sparsity, batch, key, model=model, accum_steps=2)
+  tokens = batch["targets"].size
+  one = jax.jit(jax.value_and_grad(lambda p, inputs, targets, k: model.apply(
+      {"params": p, "sparsity": state.sparsity}, inputs, targets, rngs={"mvue": k}) / tokens))
+  want_loss, want = 0.0, None
+  for i in range(2):
+    loss, g = one(state.params, batch["inputs"][i::2], batch["targets"][i::2],
+                  jax.random.fold_in(key, i))
+    want_loss += float(loss) * tokens
+    want = g if want is None else jax.tree.map(jnp.add, want, g)
+  np.testing.assert_allclose(float(total), want_loss, rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+  # and the keys matter: the same key for both micro-batches gives another gradient
+  _, same = grads_fn(state.params, state.sparsity, batch, key, model=model, accum_steps=1)
+  fc = lambda g: state_lib.get_path(g, ("h_0", "mlp", "fc"))["kernel"]   # pylint: disable=unnecessary-lambda-assignment
+  assert not np.allclose(fc(grads), fc(same))

@@ -2,8 +2,8 @@
 following the authors' code (github.com/hupihe/Mixed-Sparsity-Training, `DST/scheduler.py`,
 `sparse_train.py`) by default. docs/algorithms.md, MST, states every rule and option.
 
-The default procedure (every rule is pinned by a hand-computed case in tests/test_mst.py, and
-tests/mst_reference.py, an independent NumPy model of the authors' update, gives the same
+The default procedure (every rule is pinned by a hand-computed case in tests/methods/test_mst.py, and
+tests/methods/mst_reference.py, an independent NumPy model of the authors' update, gives the same
 masks and weights step for step):
 
 - Layers: those matching `sparsity.sparse_layers`. The reference's set is every linear layer

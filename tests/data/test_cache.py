@@ -1,0 +1,140 @@
+"""Tests for s24jax/data/cache.py, the token cache (`load_tokens`): an entry reused while its
+source is unchanged and invalidated when it changes, one entry per tokenizer, and the loop's
+refusal of a model vocabulary smaller than the cache's tokenizer (`loop.load_tokens`).
+References: the TFDS dataset read back with the public TFDS API, the UTF-8 bytes of its
+documents, the .txt files written here and their GPT-2 BPE plus <|endoftext|>."""
+
+from __future__ import annotations
+
+import pathlib
+import socket
+import types
+
+import numpy as np
+import pytest
+import tensorflow_datasets as tfds
+
+from s24jax import config as config_lib
+from s24jax import loop
+from s24jax.data import cache
+from s24jax.data import sources
+from s24jax.data import text_corpus
+from s24jax.data import tokenizer
+
+
+@pytest.fixture(scope='module', autouse=True)
+def no_network():
+  """Any attempt to open a network connection fails the test instead of hanging on it.
+
+  Module-scoped so that it is also active while module-scoped fixtures build datasets.
+  """
+
+  def refuse(*args, **kwargs):
+    raise AssertionError(f'Network access attempted: {args}')
+
+  with pytest.MonkeyPatch.context() as m:
+    m.setattr(socket.socket, 'connect', refuse)
+    m.setattr(socket, 'create_connection', refuse)
+    yield
+
+
+def cfg(**overrides) -> types.SimpleNamespace:
+  """A data config as a plain attribute object (load_tokens must not need a ConfigDict)."""
+  base = dict(sources.default_data_config())
+  base.update(overrides)
+  return types.SimpleNamespace(**base)
+
+
+def reference_stream(texts: list[str]) -> np.ndarray:
+  """Expected cache content: each document's BPE tokens followed by <|endoftext|>."""
+  enc = tokenizer.get_tokenizer()
+  ids: list[int] = []
+  for text in texts:
+    ids += enc.encode_ordinary(text) + [tokenizer.EOT_ID]
+  return np.asarray(ids, dtype=np.uint16)
+
+
+@pytest.fixture(scope='module')
+def shakespeare(data_cache):
+  """The embedded corpus in the session's shared test cache (built once per session)."""
+  cache_dir = pathlib.Path(data_cache)
+  tokens = cache.load_tokens(cfg(cache_dir=str(cache_dir)))
+  return cache_dir, tokens
+
+
+def bpe_key(cache_dir) -> str:
+  return cache.token_cache_meta(cfg(cache_dir=str(cache_dir)))['key']['tokenizer']
+
+
+def test_byte_tokens_of_the_embedded_corpus(shakespeare):
+  cache_dir, bpe = shakespeare
+  data = cfg(cache_dir=str(cache_dir))
+  data.tokenizer = 'bytes'
+  tokens = cache.load_tokens(data)
+  ds = tfds.data_source('s24jax_text_corpus/shakespeare', data_dir=str(cache_dir / 'tfds'))
+  expected = b''.join(r['text'] + b'\0' for r in ds['validation'])   # \0 marks the separator
+  ref = np.frombuffer(expected, np.uint8).astype(np.uint16)
+  ref[ref == 0] = 256
+  np.testing.assert_array_equal(np.asarray(tokens.val), ref)
+  assert tokens.vocab_size == 257 and len(tokens.train) > 3 * len(bpe.train)
+  assert cache.token_cache_meta(data)['key']['tokenizer'] != bpe_key(cache_dir)
+
+
+def test_model_vocab_smaller_than_the_tokenizer_is_refused(shakespeare):
+  cache_dir, _ = shakespeare
+  config = config_lib.base_config()
+  config.data.cache_dir = str(cache_dir)
+  config.model.vocab_size = 320          # the small variant's, with the GPT-2 BPE
+  with pytest.raises(ValueError, match='50257 token ids.*vocab_size >= 50257'):
+    loop.load_tokens(config)
+
+
+FOLDER_DOCS = {
+    'alpha.txt': 'Alpha document. It has some words.\nAnd a second line.\n',
+    'beta.txt': 'Beta: numbers 1 2 3 and <|endoftext|> written literally.',
+    'gamma.txt': 'Gamma gamma gamma, the third document.\n\n\n',
+    'sub/delta.txt': 'Delta lives in a sub-folder; still one document.',
+    'sub/epsilon.txt': 'Epsilon, naïve café, the fifth and last.',
+}
+
+
+def make_folder(root: pathlib.Path) -> pathlib.Path:
+  folder = root / 'corpus'
+  for name, text in FOLDER_DOCS.items():
+    (folder / name).parent.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_text(text, encoding='utf-8')
+  (folder / 'ignored.md').write_text('not a .txt file')
+  return folder
+
+
+def test_cache_reused_then_invalidated_by_folder_change(tmp_path, monkeypatch):
+  folder = make_folder(tmp_path)
+  c = cfg(path=str(folder), cache_dir=str(tmp_path / 'cache'))
+  first = cache.load_tokens(c)
+  train_file = pathlib.Path(first.train.filename)
+  mtime = train_file.stat().st_mtime_ns
+
+  def must_not_run(*args, **kwargs):
+    raise AssertionError('The token cache was rebuilt although nothing changed.')
+
+  with monkeypatch.context() as m:
+    m.setattr(cache, '_write_split', must_not_run)
+    m.setattr(text_corpus.TextCorpus, 'download_and_prepare', must_not_run)
+    second = cache.load_tokens(c)
+  assert pathlib.Path(second.train.filename) == train_file
+  assert train_file.stat().st_mtime_ns == mtime
+  np.testing.assert_array_equal(np.asarray(second.train), np.asarray(first.train))
+
+  # Appending to a document must produce a new cache holding the new text.
+  meta = cache.token_cache_meta(c)
+  title = meta['splits']['train']['titles'][0]
+  extra = ' Freshly appended sentence about marmosets.'
+  with open(folder / title, 'a', encoding='utf-8') as f:
+    f.write(extra)
+  assert cache.token_cache_meta(c) is None  # The old entry no longer matches.
+  third = cache.load_tokens(c)
+  assert pathlib.Path(third.train.filename) != train_file
+  texts = {t: (folder / t).read_text(encoding='utf-8')
+           for t in cache.token_cache_meta(c)['splits']['train']['titles']}
+  assert extra in texts[title]
+  np.testing.assert_array_equal(np.asarray(third.train), reference_stream(list(texts.values())))

@@ -1,0 +1,202 @@
+"""Tests of the FP8 path of s24jax.sparse_ops (GemmOptions fp8 / fp8_backward_operands, the
+FP8 GEMMs of common.py through the 'xla' backend, and the backends' refusals).
+
+References: an independent simulation of each GEMM (every operand quantize-dequantized in its
+format, then a float64 GEMM; `_qdq_plain` writes the per-tensor amax scaling out in NumPy
+with ml_dtypes' casts, without s24jax.fp8), the pre-option backward written with
+fp8.fp8_dot_general (bit-identical), the float32 op (relative error bounds), and a tiny
+model's float32 loss. The quantization itself: tests/test_fp8_format.py.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from s24jax import fp8
+from s24jax import losses as losses_lib
+from s24jax import model as model_lib
+from s24jax import config as config_lib
+from s24jax import sparse_ops
+from s24jax import train
+from s24jax.kernels import masks
+from s24jax.run_spec import RunSpec
+from s24jax.sparse_linear import SparsityConfig
+from s24jax.sparse_ops.options import GemmOptions
+
+
+def _sparse_op_inputs(seed=0):
+  k1, k2, k3 = jax.random.split(jax.random.PRNGKey(seed), 3)
+  x = jax.random.normal(k1, (4, 8, 64))                                      # (B, T, in)
+  w = masks.soft_threshold24(jax.random.normal(k2, (48, 64)) * 0.05)    # (out, in) 2:4
+  dy = jax.random.normal(k3, (4, 8, 48))                                     # (B, T, out)
+  return x, w, dy
+
+
+def _op_outputs(x, w, dy, key=None, **options):
+  """y, dX, dW~ of the sparse op with GemmOptions(**options) (cotangent dy)."""
+  opts = GemmOptions(**options)
+
+  @jax.jit
+  def run(x, w, dy, key):
+    y, vjp = jax.vjp(lambda x, w: sparse_ops.sparse_linear(x, w, key, opts=opts), x, w)
+    return (y,) + vjp(dy)
+  return run(x, w, dy, key)
+
+
+def _qdq(a, dtype):
+  q, s = fp8.quantize(a, dtype)
+  return np.asarray(q).astype(np.float64) / float(s)
+
+
+@pytest.mark.parametrize("mvue", [False, True])
+def test_sparse_op_fp8_uses_e4m3_forward_e5m2_gradients(mvue):
+  # Independent simulation: quantize-dequantize each GEMM operand in its format, float64 GEMM.
+  x, w, dy = _sparse_op_inputs()
+  key = jax.random.PRNGKey(7)
+  y, dx, dw = _op_outputs(x, w, dy, key, mvue=mvue, fp8=True)
+  x2, dy2 = x.reshape(-1, 64), dy.reshape(-1, 48)                            # (N, in), (N, out)
+  dy_t = masks.mvue24(key, dy2.T) if mvue else dy2.T                         # (out, N)
+  np.testing.assert_allclose(y.reshape(-1, 48), _qdq(x2, fp8.E4M3) @ _qdq(w, fp8.E4M3).T,
+                             rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(dx.reshape(-1, 64), _qdq(dy2, fp8.E5M2) @ _qdq(w, fp8.E4M3),
+                             rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(dw, _qdq(dy_t, fp8.E5M2) @ _qdq(x2, fp8.E4M3), rtol=1e-5,
+                             atol=1e-5)
+
+
+# sparsity.fp8_backward_operands: W~ and x in the two backward GEMMs.
+
+
+def _qdq_plain(a, np_dtype) -> np.ndarray:
+  """Per-tensor amax quantize-dequantize written out in numpy (no s24jax.fp8): scale =
+  fmax / amax, saturate, round to nearest even by ml_dtypes' cast, divide back."""
+  a = np.asarray(a, np.float32)
+  m = float(ml_dtypes.finfo(np_dtype).max)
+  scale = np.float32(m / np.abs(a).max())
+  q = np.clip(a * scale, -m, m).astype(np_dtype)
+  return q.astype(np.float64) / np.float64(scale)
+
+
+@pytest.mark.parametrize("mvue", [False, True])
+def test_sparse_op_e5m2_backward_operands_requantize_w_and_x(mvue):
+  x, w, dy = _sparse_op_inputs()
+  key = jax.random.PRNGKey(7)
+  e4, e5 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
+  y, dx, dw = _op_outputs(x, w, dy, key, mvue=mvue, fp8=True, fp8_backward_operands="e5m2")
+  y4, dx4, dw4 = _op_outputs(x, w, dy, key, mvue=mvue, fp8=True)
+  x2, dy2 = x.reshape(-1, 64), dy.reshape(-1, 48)                            # (N, in), (N, out)
+  dy_t = masks.mvue24(key, dy2.T) if mvue else dy2.T                         # (out, N)
+  # Forward unchanged: e4m3 x e4m3, bit for bit the default's.
+  np.testing.assert_array_equal(y, y4)
+  np.testing.assert_allclose(y.reshape(-1, 48), _qdq_plain(x2, e4) @ _qdq_plain(w, e4).T,
+                             rtol=1e-5, atol=1e-5)
+  # Backward: dY, W~ and x all e5m2, each with its own per-tensor amax scale.
+  want_dx = _qdq_plain(dy2, e5) @ _qdq_plain(w, e5)                          # (N, in)
+  want_dw = _qdq_plain(dy_t, e5) @ _qdq_plain(x2, e5)                        # (out, in)
+  np.testing.assert_allclose(dx.reshape(-1, 64), want_dx, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(dw, want_dw, rtol=1e-5, atol=1e-5)
+  # And not the e4m3-operand gradients: the re-quantization moves them by far more than the
+  # tolerance above (one mantissa bit less on W~ / x: ~6% here).
+  for got, default in ((dx, dx4), (dw, dw4)):
+    rel = float(jnp.linalg.norm(got - default) / jnp.linalg.norm(default))
+    assert rel > 2e-2, rel
+
+
+def test_sparse_op_fp8_backward_operands_default_is_todays_e4m3():
+  # Unset, "e4m3", and the pre-option backward written with fp8.fp8_dot_general (e5m2 dY x
+  # e4m3 W~ / x): bit-identical.
+  x, w, dy = _sparse_op_inputs(1)
+  unset = _op_outputs(x, w, dy, fp8=True)
+  e4m3 = _op_outputs(x, w, dy, fp8=True, fp8_backward_operands="e4m3")
+  for a, b in zip(unset, e4m3):
+    np.testing.assert_array_equal(a, b)
+
+  @jax.jit
+  def before(x, w, dy):
+    x2, dy2 = x.reshape(-1, 64), dy.reshape(-1, 48)
+    dims = (((1,), (0,)), ((), ()))
+    dx = fp8.fp8_dot_general(dy2, w, dims, a_dtype=fp8.E5M2, b_dtype=fp8.E4M3,
+                             out_dtype=jnp.float32)
+    dw = fp8.fp8_dot_general(dy2.T, x2, dims, a_dtype=fp8.E5M2, b_dtype=fp8.E4M3,
+                             out_dtype=jnp.float32)
+    return dx.reshape(x.shape), dw
+  for a, b in zip(unset[1:], before(x, w, dy)):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_fp8_backward_operands_bad_values_are_refused():
+  # The options themselves (options.py): an unknown format, and e5m2 without FP8.
+  with pytest.raises(ValueError, match="unknown sparsity.fp8_backward_operands 'e4m3fn'; "
+                                       "valid: e4m3, e5m2"):
+    GemmOptions(fp8=True, fp8_backward_operands="e4m3fn")
+  with pytest.raises(ValueError, match="valid: e4m3, e5m2"):
+    SparsityConfig(fp8=True, fp8_backward_operands="E5M2")
+  # cuSPARSELt has no e5m2 x e5m2 GEMM: refused (its Backend.check), with the reason and the
+  # valid choice, when the options are checked and when the model config is built.
+  opts = GemmOptions(backend="cusparselt", fp8=True, fp8_backward_operands="e5m2")
+  with pytest.raises(ValueError, match="(?s)backend='cusparselt'.*one e4m3 operand.*'e4m3'"):
+    sparse_ops.check(opts)
+  with pytest.raises(ValueError, match="backend='cusparselt'"):
+    SparsityConfig(backend="cusparselt", fp8=True, fp8_backward_operands="e5m2")
+  sparse_ops.check(GemmOptions(backend="xla", fp8=True, fp8_backward_operands="e5m2"))
+  # Without FP8 the option would do nothing: refused rather than ignored.
+  with pytest.raises(ValueError, match="sparsity.fp8 is False"):
+    GemmOptions(fp8_backward_operands="e5m2")
+  with pytest.raises(ValueError, match="sparsity.fp8 is False"):
+    SparsityConfig(fp8_backward_operands="e5m2")
+  # The Pallas and tcgen05 backends have no FP8 path at all (their own error).
+  for backend in ("pallas", "pallas_always", "tcgen05"):
+    match = (f"sparsity.fp8 is not supported by sparsity.backend='{backend}' \\(its kernels "
+             "have no FP8 path\\); use sparsity.backend='xla' or 'cusparselt'.")
+    with pytest.raises(ValueError, match=match):
+      sparse_ops.check(GemmOptions(backend=backend, fp8=True, fp8_backward_operands="e5m2"))
+    with pytest.raises(ValueError, match=match):
+      SparsityConfig(backend=backend, fp8=True)
+
+
+def test_sparse_op_fp8_gradients_close_to_float32():
+  errors = {"y": [], "dx": [], "dw": []}
+  for seed in range(3):
+    x, w, dy = _sparse_op_inputs(seed)
+    ref = _op_outputs(x, w, dy)
+    got = _op_outputs(x, w, dy, fp8=True)
+    for name, r, g in zip(errors, ref, got):
+      errors[name].append(float(jnp.linalg.norm(g - r) / jnp.linalg.norm(r)))
+  # e4m3 x e4m3 forward; e5m2 x e4m3 gradients (half the mantissa bits of e4m3, ~2x error).
+  assert max(errors["y"]) <= 0.05, errors
+  assert max(errors["dx"]) <= 0.09 and max(errors["dw"]) <= 0.09, errors
+  assert min(min(v) for v in errors.values()) > 1e-3, errors   # FP8 really is on
+
+
+def test_model_trains_with_fp8():
+  # Both FFN layers through the FP8 op (with MVUE): the loss at init is close to the fp32
+  # model's, and a few steps on one batch bring it down.
+  c = config_lib.apply_variant(config_lib.base_config(), "tiny")
+  c.sparsity.method, c.sparsity.fp8, c.sparsity.mvue = "s_ste", True, True
+  c.model.vocab_size, c.model.seq_len = 64, 8
+  c.model.num_layers, c.model.num_heads, c.model.d_model = 1, 2, 16
+  c.optim.warmup_steps, c.optim.lr = 1, 1e-2
+  spec = RunSpec.build(c)
+  model_cfg, tx_fn = spec.model_cfg, spec.tx
+  model = model_lib.GPT2(model_cfg)
+  state = jax.jit(lambda: train.fresh_state(model, tx_fn, 0))()
+  tokens = np.random.default_rng(0).integers(0, 64, size=(4, 9))
+  batch = {"inputs": jnp.asarray(tokens[:, :-1]), "targets": jnp.asarray(tokens[:, 1:])}
+  c.sparsity.fp8 = False
+  fp32_model = model_lib.GPT2(RunSpec.build(c).model_cfg)
+  fp32_logits = jax.jit(fp32_model.apply)({"params": state.params, "sparsity": state.sparsity},
+                                          batch["inputs"])
+  fp32_loss = (float(losses_lib.cross_entropy_sum(fp32_logits, batch["targets"]))
+               / batch["targets"].size)
+  tx = tx_fn(state.params, state.sparsity)
+  losses = []
+  for _ in range(4):
+    state, m = train.train_step(state, batch, model=model, tx=tx)
+    losses.append(float(m["loss"] / m["count"]))
+  assert np.all(np.isfinite(losses))
+  np.testing.assert_allclose(losses[0], fp32_loss, rtol=1e-2)
+  assert losses[0] != fp32_loss            # FP8 really changed the forward
+  assert losses[-1] < losses[0] - 0.05, losses

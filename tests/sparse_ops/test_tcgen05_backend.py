@@ -1,0 +1,136 @@
+"""Tests of s24jax/sparse_ops/tcgen05.py, sparsity.backend='tcgen05': every 2:4 GEMM of a
+sparse layer on Blackwell's sparse tensor cores (kernels/tcgen05.py).
+
+It cannot run here (no Blackwell GPU; interpret mode has no TMEM / tcgen05). What runs in the
+CPU suite: selecting it off a Blackwell GPU fails with a clear error naming the backend that
+does run. With the CUDA compile plugin (`aot`): a tiny Hu et al. train step using it compiles
+for a B200, and its PTX holds the sparse MMA with no spills. On a Blackwell GPU (`gpu`): the
+op and a short training run against the 'xla' backend (the reference), as the Pallas tests
+(tests/sparse_ops/test_pallas_backend.py) do.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from s24jax import sparse_ops
+from s24jax import train
+from s24jax.kernels import masks
+from s24jax.kernels import tcgen05
+from s24jax.model import GPT2
+from s24jax.run_spec import RunSpec
+from s24jax.sparse_ops.options import GemmOptions
+
+from tiny import tiny_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# (tokens, out, in) as in test_pallas_backend.py: one that fills whole kernel tiles, one the
+# kernels must pad on every axis.
+SHAPES = [(16, 32, 64), (6, 12, 40)]
+
+
+def _normal(seed, shape):
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+
+
+def _sparse_w(seed, shape):
+  w = _normal(seed, shape)                                           # (out, in)
+  return w * masks.nm_mask(w)                                        # W~, 2:4 along in
+
+
+def _op(backend, x, w, dy, key=None, mvue=False):
+  """y, dX, dW~ of sparse_ops.sparse_linear on `backend` (cotangent dy)."""
+  opts = GemmOptions(mvue=mvue, backend=backend)
+  y, vjp = jax.vjp(lambda x, w: sparse_ops.sparse_linear(x, w, key, opts=opts), x, w)
+  dx, dw = vjp(dy)
+  return y, dx, dw
+
+
+def _config(backend, overrides=None):
+  c = tiny_config("t_sr_ste", overrides={
+      "sparsity.backend": backend, "sparsity.mvue": True,
+      "sparsity.t_sr_ste.mask_refresh_every": 2, **(overrides or {})})
+  c.model.vocab_size = 64
+  return c
+
+
+def test_tcgen05_off_blackwell_names_the_backend_that_runs():
+  c = _config("tcgen05")
+  spec = RunSpec.build(c)   # building the config is fine anywhere
+  model_cfg, tx_fn = spec.model_cfg, spec.tx
+  model = GPT2(model_cfg)
+  state = train.fresh_state(model, tx_fn, 0)   # so is init (shapes only, no kernel)
+  batch = {"inputs": jax.numpy.zeros((4, 16), jax.numpy.int32),
+           "targets": jax.numpy.zeros((4, 16), jax.numpy.int32)}
+  with pytest.raises(tcgen05.NotBlackwellError, match="sparsity.backend='xla'"):
+    train.train_step(state, batch, model=model, tx=tx_fn(state.params, state.sparsity))
+
+
+@pytest.mark.slow
+@pytest.mark.aot
+def test_train_step_with_tcgen05_compiles_for_b200_with_sparse_mma(tmp_path):
+  code = r"""
+import json, sys
+from s24jax import config_files, plan
+from s24jax.kernels import aot
+aot.start(sys.argv[2])
+cfg = config_files.load_config(sys.argv[1], {
+    "sparsity.backend": "tcgen05", "model.vocab_size": 512,
+    "sparsity.t_sr_ste.mask_refresh_drift": 0.0})
+report = plan.plan(cfg, "b200", 1, search=False)
+kernels = [r for f in aot.ptx_files(sys.argv[2]) if "tcgen05.mma.sp" in f.read_text()
+           for r in aot.ptxas_report(f, "b200")]
+json.dump({"fits": report["fits"], "spills": [r.spill_bytes for r in kernels],
+           "count": len(kernels)}, open(sys.argv[3], "w"))
+"""
+  out = tmp_path / "r.json"
+  subprocess.run([sys.executable, "-c", code,
+                  os.path.join(REPO, "experiments", "gpt2_t_sr_ste_df.py") + ":tiny",
+                  str(tmp_path / "dump"), str(out)], check=True, cwd=REPO, timeout=1200)
+  r = json.loads(out.read_text())
+  assert r["fits"]
+  # forward, data gradient and MVUE weight gradient of the two FFN layers use the sparse MMA
+  assert r["count"] >= 3, r
+  assert r["spills"] and max(r["spills"]) == 0, r
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens,out,inp", SHAPES + [(256, 3072, 768)])
+def test_gpu_tcgen05_op_matches_xla(tokens, out, inp):
+  x = _normal(0, (tokens, inp)).astype(jnp.bfloat16)
+  w = _sparse_w(1, (out, inp))
+  dy = _normal(2, (tokens, out)).astype(jnp.bfloat16)
+  got = _op("tcgen05", x, w, dy)
+  want = _op("xla", x, w, dy)
+  for g, r in zip(got, want):
+    g, r = np.asarray(g, np.float32), np.asarray(r, np.float32)
+    np.testing.assert_allclose(g, r, rtol=2e-2, atol=2e-2 * np.abs(r).max())
+
+
+@pytest.mark.gpu
+def test_gpu_tiny_training_with_tcgen05_matches_xla():
+  def losses(backend):
+    c = _config(backend, {"sparsity.mvue": False})
+    spec = RunSpec.build(c)
+    model_cfg, tx_fn = spec.model_cfg, spec.tx
+    model = GPT2(model_cfg)
+    state = train.fresh_state(model, tx_fn, 0)
+    tx = tx_fn(state.params, state.sparsity)
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(5):
+      tokens = jax.numpy.asarray(rng.integers(0, 64, (c.batch_size, c.model.seq_len + 1)),
+                                 jax.numpy.int32)
+      state, m = train.train_step(state, {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]},
+                                  model=model, tx=tx)
+      out.append(float(m["loss"] / m["count"]))
+    return out
+  np.testing.assert_allclose(losses("tcgen05"), losses("xla"), rtol=2e-2)
