@@ -17,49 +17,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
-from s24jax import config_files, run_spec, train
-from s24jax import model as model_lib
+from s24jax.gpu_report import step_seconds
 
 RECIPES = (("dense", "experiments/gpt2_dense.py", "xla"),
            ("hu2024 xla", "experiments/gpt2_t_sr_ste_df.py", "xla"),
            ("hu2024 cusparselt", "experiments/gpt2_t_sr_ste_df.py", "cusparselt"),
            ("s_ste xla", "experiments/gpt2_s_ste.py", "xla"),
            ("s_ste cusparselt", "experiments/gpt2_s_ste.py", "cusparselt"))
-
-
-def step_seconds(path: str, variant: str, backend: str, steps: int) -> dict:
-  micro_probe = config_files.load_config(f"{path}:{variant}")
-  micro = int(micro_probe.batch_size) // int(micro_probe.grad_accum_steps)
-  config = config_files.load_config(
-      f"{path}:{variant}", args=[f"sparsity.backend={backend}", f"batch_size={micro}",
-                                 "grad_accum_steps=1"])
-  spec = run_spec.RunSpec.build(config)
-  model_cfg = spec.model_cfg
-  model = model_lib.GPT2(model_cfg)
-  state = jax.jit(lambda: spec.fresh_state(0))()
-  tx = spec.tx(state.params, state.sparsity)
-  rng = np.random.default_rng(0)
-  tokens = jnp.asarray(rng.integers(0, model_cfg.vocab_size, (micro, model_cfg.seq_len)),
-                       jnp.int32)
-  batch = {"inputs": tokens, "targets": tokens}
-  times = []
-  for i in range(3 + steps):
-    start = time.perf_counter()
-    state, metrics = train.train_step(state, batch, model=model, tx=tx)
-    jax.block_until_ready(metrics["loss"])
-    if i >= 3:
-      times.append(time.perf_counter() - start)
-  seconds = statistics.median(times)
-  return {"seconds": seconds, "tokens_per_sec": micro * model_cfg.seq_len / seconds,
-          "micro_batch": micro}
 
 
 def main(argv=None) -> int:
@@ -82,6 +50,7 @@ def main(argv=None) -> int:
         continue
       r = {"variant": variant, "recipe": name, **step_seconds(path, variant, backend,
                                                               args.steps)}
+      r["seconds"] = r["step_ms"] / 1e3
       dense = dense or r["seconds"]
       r["speedup_vs_dense"] = dense / r["seconds"]
       rows.append(r)

@@ -90,6 +90,12 @@ class ModelConfig:
       raise ValueError(f"model.d_model={self.d_model} is not divisible by "
                        f"model.num_heads={self.num_heads}")
     attention_masks.check_pattern(self.attention, self.attention_stride)
+    if (self.sparsity.backend == "cusparselt" and self.sparsity.method.sparse
+        and self.dtype == "float32"):
+      raise ValueError("sparsity.backend='cusparselt' cannot compute in model.dtype='float32': "
+                       "for float32, cuSPARSELt's 50% sparsity is 1:2, not 2:4 "
+                       "(kernels/cusparselt/rules.py, R7). Use model.dtype='bfloat16' (or "
+                       "'auto', bfloat16 on a GPU), or sparsity.backend='xla'.")
 
   def dense_twin(self) -> "ModelConfig":
     """The same model dense everywhere: weights and (Haziza et al.) activations."""

@@ -40,6 +40,7 @@ from typing import Any
 
 from s24jax import config_files
 from s24jax.kernels import aot
+from s24jax.kernels.cusparselt import rules as cusparselt_rules
 
 HEADROOM = 0.10          # share of the GPU's memory kept free for what XLA does not count
 BIG_MEMORY_FACTOR = 16   # the copy of the GPU used to see the memory need without XLA remat
@@ -53,6 +54,9 @@ class Compiled:
   seconds: float
   flops: float | None = None
   hlo: dict[str, int] = dataclasses.field(default_factory=dict)   # aot.hlo_census
+  # Every cuSPARSELt call of the optimized HLO, checked against the library's rules
+  # (kernels/cusparselt/rules.py: audit_hlo).
+  cusparselt: list = dataclasses.field(default_factory=list)
 
 
 def _target_with_memory(gpu: str, factor: int) -> str:
@@ -143,7 +147,7 @@ class Planner:
       compiled = lowered.compile()
     result = Compiled(micro, accum, aot.memory_report(compiled), time.time() - start,
                       self.model_flops(micro, partitioner) * accum if with_flops else None,
-                      aot.hlo_census(compiled))
+                      aot.hlo_census(compiled), cusparselt_rules.audit_hlo(compiled.as_text()))
     self._cache[key] = result
     return result
 
@@ -226,6 +230,8 @@ def plan(config, gpu: str, num_devices: int, *, micro: int | None = None,
       # cuSPARSELt custom calls (sparsity.backend='cusparselt') and collectives in the
       # optimized HLO of the step (a loop body counted once).
       "cusparselt_custom_calls": real.hlo.get("custom_calls", 0),
+      "cusparselt_calls": real.cusparselt,
+      "cusparselt_rule_violations": sum(c["violation"] is not None for c in real.cusparselt),
       "collectives": {k: v for k, v in real.hlo.items() if k != "custom_calls"},
       "remat": planner.config.model.remat, "loss_chunk": planner.config.model.loss_chunk,
       "attention_impl": planner.config.model.attention_impl,
@@ -270,6 +276,11 @@ def format_report(r: dict[str, Any]) -> str:
       f"  FLOPs per optimizer step: {r['flops_per_step']:.4g}  (compiled in "
       f"{r['compile_seconds']:.0f} s)",
   ]
+  if r["cusparselt_custom_calls"]:
+    lines.append(f"  cuSPARSELt calls: {r['cusparselt_custom_calls']}, breaking the library's "
+                 f"rules: {r['cusparselt_rule_violations']}")
+    lines += [f"    {c['target']}: {c['violation']}" for c in r["cusparselt_calls"]
+              if c["violation"]]
   if "largest_fitting_micro_batch" in r:
     best = r["largest_fitting_micro_batch"]
     lines.append(f"  largest micro-batch that fits: {best} per device"

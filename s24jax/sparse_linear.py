@@ -57,8 +57,10 @@ class SparsityConfig:
   # 2024, S-STE); needs batch x seq_len % 4 == 0.
   mvue: bool = False
   fp8: bool = False         # FP8 GEMMs in the sparse layers (s24jax/fp8.py)
-  # FP8 backward GEMMs' W~ / x: 'e4m3' (as the forward) or 'e5m2' (S-STE reference).
-  fp8_backward_operands: str = "e4m3"
+  # FP8 backward GEMMs' W~ / x: 'e4m3' (as the forward), 'e5m2' (re-quantized like dY, as the
+  # S-STE reference), or 'auto': the backend's choice ('e4m3' on 'xla', 'e5m2' on
+  # 'cusparselt', which takes one FP8 type per GEMM); sparse_ops/options.py.
+  fp8_backward_operands: str = sparse_ops.FP8_BACKWARD_AUTO
   # The last fraction of the steps trains the dense twin (s24jax/phases.py); in [0, 1).
   dense_finetune_fraction: float = 0.0
   # Dense fine-tuning starts from the 'latent' W (the reference code: pruned weights come
@@ -82,6 +84,10 @@ class SparsityConfig:
                        f"{self.flip_rate_warn}")
     methods_base.check_positive_int("sparsity.flip_rate_warn_patience",
                                     self.flip_rate_warn_patience)
+    valid = (sparse_ops.FP8_BACKWARD_AUTO, *sparse_ops.FP8_BACKWARD_OPERANDS)
+    if self.fp8_backward_operands not in valid:
+      raise ValueError(f"unknown sparsity.fp8_backward_operands "
+                       f"{self.fp8_backward_operands!r}; valid: {', '.join(valid)}")
     # Here, not when a step is traced: the error comes as the run's config is read.
     sparse_ops.check(self.gemm)
     if sparse_ops.get_backend(self.backend).needs_24 and not self.method.structured_24:
@@ -90,9 +96,13 @@ class SparsityConfig:
 
   @property
   def gemm(self) -> sparse_ops.GemmOptions:
-    """The options of every sparse layer's three GEMMs (the tied head's included)."""
+    """The options of every sparse layer's three GEMMs (the tied head's included), with
+    fp8_backward_operands='auto' resolved for the backend."""
+    backward = self.fp8_backward_operands
+    if backward == sparse_ops.FP8_BACKWARD_AUTO:
+      backward = sparse_ops.get_backend(self.backend).fp8_backward if self.fp8 else "e4m3"
     return sparse_ops.GemmOptions(mvue=self.mvue, fp8=self.fp8,
-                                  fp8_backward_operands=self.fp8_backward_operands,
+                                  fp8_backward_operands=backward,
                                   backend=self.backend, transposable=self.method.transposable)
 
   def is_sparse(self, path: str) -> bool:

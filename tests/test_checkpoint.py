@@ -14,49 +14,7 @@ from s24jax import checkpoint as ckpt_lib
 from s24jax import loop
 from s24jax.run_spec import RunSpec
 
-from tiny import tiny_config
-
-STEPS = 24
-
-
-def _config(data_cache, steps=STEPS, **overrides):
-  return tiny_config("s_ste", steps=steps, workdir_cache=data_cache,
-                     overrides={"log_every": 5, "checkpoint_every": 100, **overrides})
-
-
-def _records(workdir):
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return [json.loads(line) for line in f]
-
-
-def _losses(workdir):
-  return {r["step"]: r["train/loss"] for r in _records(workdir) if "train/loss" in r}
-
-
-def _assert_each_step_once(workdir):
-  seen = {}
-  for r in _records(workdir):
-    for k in r:
-      if k != "step":
-        assert (r["step"], k) not in seen, f"step {r['step']} {k} written twice"
-        seen[(r["step"], k)] = True
-
-
-def _digest(path):
-  out = {}
-  for root, _, files in os.walk(path):
-    for name in files:
-      p = os.path.join(root, name)
-      with open(p, "rb") as f:
-        out[os.path.relpath(p, path)] = hash(f.read())
-  return out
-
-
-@pytest.fixture(scope="module")
-def undisturbed(tmp_path_factory, data_cache):
-  workdir = str(tmp_path_factory.mktemp("undisturbed"))
-  final = loop.train_and_evaluate(_config(data_cache), workdir)
-  return workdir, final
+from train_helpers import STEPS, assert_each_step_once, digest, losses, run_config
 
 
 def _truncate_largest(directory):
@@ -72,12 +30,12 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(
     undisturbed, tmp_path, data_cache):
   workdir = str(tmp_path / "damaged")
   # Checkpoints on log steps (5, 10, ..., 20, 24; 3 kept), so a resume logs as before.
-  loop.train_and_evaluate(_config(data_cache, checkpoint_every=5), workdir)
+  loop.train_and_evaluate(run_config(data_cache, checkpoint_every=5), workdir)
   os.remove(os.path.join(workdir, "final_metrics.json"))   # as if killed before the end
   _truncate_largest(os.path.join(workdir, "checkpoints", str(STEPS)))
-  final = loop.train_and_evaluate(_config(data_cache, checkpoint_every=5), workdir)
-  assert _losses(workdir) == _losses(undisturbed[0])
-  _assert_each_step_once(workdir)
+  final = loop.train_and_evaluate(run_config(data_cache, checkpoint_every=5), workdir)
+  assert losses(workdir) == losses(undisturbed)
+  assert_each_step_once(workdir)
   aside = os.listdir(os.path.join(workdir, ckpt_lib.DAMAGED_DIR))
   assert len(aside) == 1 and aside[0].startswith(f"{STEPS}."), aside   # moved, not deleted
   assert final["step"] == STEPS
@@ -87,10 +45,10 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(
   os.remove(os.path.join(workdir, "final_metrics.json"))
   for step in os.listdir(os.path.join(workdir, "checkpoints")):
     _truncate_largest(os.path.join(workdir, "checkpoints", step))
-  before = _digest(workdir)
+  before = digest(workdir)
   with pytest.raises(ckpt_lib.NoReadableCheckpointError, match="Nothing in the workdir"):
-    loop.train_and_evaluate(_config(data_cache, checkpoint_every=5), workdir)
-  assert _digest(workdir) == before
+    loop.train_and_evaluate(run_config(data_cache, checkpoint_every=5), workdir)
+  assert digest(workdir) == before
 
 
 @pytest.mark.slow
@@ -108,10 +66,10 @@ def test_a_full_disk_stops_the_run_and_keeps_the_previous_checkpoint(
 
   monkeypatch.setattr(ocp.StandardCheckpointHandler, "async_save", failing)
   with pytest.raises(ckpt_lib.CheckpointSaveError, match="No space left") as e:
-    loop.train_and_evaluate(_config(data_cache, checkpoint_every=3), workdir)
+    loop.train_and_evaluate(run_config(data_cache, checkpoint_every=3), workdir)
   assert "step 3, is intact" in str(e.value)
   monkeypatch.setattr(ocp.StandardCheckpointHandler, "async_save", real)
-  fresh = RunSpec.build(_config(data_cache)).fresh_state(0)
+  fresh = RunSpec.build(run_config(data_cache)).fresh_state(0)
   ckpt = ckpt_lib.Checkpointer(workdir)
   assert ckpt.latest_step() == 3
   assert int(ckpt.restore_or_init(fresh).step) == 3

@@ -74,7 +74,7 @@ def test_sparsity_block_is_sparsity_config_field_by_field():
   assert {"sr_ste", "t_sr_ste", "s_ste", "mst"} <= others
   # a few defaults written out (README / the field comments)
   assert block.sparse_layers == ("*/mlp/*",) and block.backend == "xla"
-  assert block.mvue is False and block.fp8 is False and block.fp8_backward_operands == "e4m3"
+  assert block.mvue is False and block.fp8 is False and block.fp8_backward_operands == "auto"
   assert block.dense_finetune_fraction == 0.0 and block.dense_finetune_init == "latent"
   assert block.flip_rate_warn == 0.05 and block.flip_rate_warn_patience == 5
 

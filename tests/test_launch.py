@@ -3,7 +3,6 @@ subprocesses: a second launch on a held workdir exits 3 naming the holder; SIGTE
 step in flight and exits 75, and the same command then finishes with an undisturbed run's
 losses at every logged step, bit for bit (the reference: the same config trained in process
 without interruption), each step written once; explicit cluster flags imply --distributed."""
-import json
 import os
 import signal
 import socket
@@ -15,40 +14,14 @@ import pytest
 from flax import traverse_util
 
 from s24jax import config_files
-from s24jax import loop
 from s24jax import preemption
 from s24jax import workdir as workdir_lib
 
-from tiny import tiny_config
+from train_helpers import STEPS, assert_each_step_once, losses, run_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS = 24
-# Log every 5 steps, checkpoint only at the start and the end: a stop at any other step leaves
-# unlogged steps behind, and only the preemption checkpoint can resume it.
-SETTINGS = {"log_every": 5, "checkpoint_every": 100}
-
-
-def _config(data_cache, steps=STEPS, **overrides):
-  return tiny_config("s_ste", steps=steps, workdir_cache=data_cache,
-                     overrides={**SETTINGS, **overrides})
-
-
-def _records(workdir):
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return [json.loads(line) for line in f]
-
-
-def _losses(workdir):
-  return {r["step"]: r["train/loss"] for r in _records(workdir) if "train/loss" in r}
-
-
-def _assert_each_step_once(workdir):
-  seen = {}
-  for r in _records(workdir):
-    for k in r:
-      if k != "step":
-        assert (r["step"], k) not in seen, f"step {r['step']} {k} written twice"
-        seen[(r["step"], k)] = True
+# run_config logs every 5 steps and checkpoints only at the start and the end: a stop at any
+# other step leaves unlogged steps behind, and only the preemption checkpoint can resume it.
 
 
 def _flat(config):
@@ -67,13 +40,6 @@ def _launch_cmd(workdir, config):
 ENV = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
 
 
-@pytest.fixture(scope="module")
-def undisturbed(tmp_path_factory, data_cache):
-  workdir = str(tmp_path_factory.mktemp("undisturbed"))
-  final = loop.train_and_evaluate(_config(data_cache), workdir)
-  return workdir, final
-
-
 @pytest.mark.slow
 def test_sigterm_and_a_second_run_on_the_same_workdir(undisturbed, tmp_path, data_cache):
   """A run holds the workdir: a second launch on it exits 3 at once, naming the holder. Then
@@ -81,7 +47,7 @@ def test_sigterm_and_a_second_run_on_the_same_workdir(undisturbed, tmp_path, dat
   with the losses of an undisturbed run at every logged step (log_every=5: the unlogged
   steps before the stop count), each step once."""
   workdir = str(tmp_path / "preempted")
-  cmd = _launch_cmd(workdir, _config(data_cache))
+  cmd = _launch_cmd(workdir, run_config(data_cache))
   proc = subprocess.Popen(cmd, env=ENV, cwd=REPO, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, start_new_session=True)
   lock = os.path.join(workdir, workdir_lib.LOCK_NAME)
@@ -104,8 +70,8 @@ def test_sigterm_and_a_second_run_on_the_same_workdir(undisturbed, tmp_path, dat
   assert not os.path.exists(os.path.join(workdir, "final_metrics.json"))
   rerun = subprocess.run(cmd, env=ENV, cwd=REPO, timeout=600, capture_output=True, text=True)
   assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
-  assert _losses(workdir) == _losses(undisturbed[0])   # every logged step, bit for bit
-  _assert_each_step_once(workdir)
+  assert losses(workdir) == losses(undisturbed)   # every logged step, bit for bit
+  assert_each_step_once(workdir)
   # The same command: no resumed config; the lock is gone.
   assert not [n for n in os.listdir(workdir) if n.startswith("config.resumed_at_")]
   assert not os.path.exists(lock)
@@ -117,7 +83,7 @@ def test_explicit_cluster_flags_imply_distributed(tmp_path, data_cache):
   with socket.socket() as s:
     s.bind(("localhost", 0))
     port = s.getsockname()[1]
-  cmd = _launch_cmd(workdir, _config(data_cache, steps=1)) + [
+  cmd = _launch_cmd(workdir, run_config(data_cache, steps=1)) + [
       f"--coordinator_address=localhost:{port}", "--num_processes=1", "--process_id=0"]
   run = subprocess.run(cmd, env=ENV, cwd=REPO, timeout=300, capture_output=True, text=True)
   out = run.stdout + run.stderr

@@ -17,23 +17,13 @@ from s24jax.run_spec import RunSpec
 from s24jax.step_info import StepInfo
 
 from tiny import tiny_config
-
-
-def _setup(method="dense", overrides=None):
-  cfg = tiny_config(method, overrides={"batch_size": 8, **(overrides or {})})
-  spec = RunSpec.build(cfg)
-  model = model_lib.GPT2(spec.model_cfg)
-  state = spec.fresh_state(0)
-  tokens = np.random.default_rng(0).integers(0, 1000, (8, cfg.model.seq_len + 1))
-  batch = {"inputs": jnp.asarray(tokens[:, :-1], jnp.int32),
-           "targets": jnp.asarray(tokens[:, 1:], jnp.int32)}
-  return cfg, model, state, batch
+from train_helpers import tiny_setup
 
 
 @pytest.mark.parametrize("overrides", [{"loss_chunk": 24}, {"loss_chunk": 7, "remat": "full"},
                                        {"remat": "save_dots"}])
 def test_chunked_loss_and_remat_equal_the_plain_model(overrides):
-  cfg, model, state, batch = _setup("s_ste", {"sparsity.fp8": False})
+  cfg, model, _, state, batch = tiny_setup("s_ste", {"sparsity.fp8": False})
   other = model_lib.GPT2(dataclasses.replace(model.config, **overrides))
 
   def value_and_grad(m):

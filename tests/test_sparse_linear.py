@@ -26,6 +26,7 @@ from s24jax import state as state_lib
 from s24jax import train
 from s24jax.kernels import masks
 from s24jax.kernels.cusparselt import ops as cusparselt
+from s24jax.sparse_ops import cusparselt as cslt
 from s24jax.methods import registry
 from s24jax.model import GPT2
 from s24jax.run_spec import RunSpec
@@ -109,7 +110,9 @@ def test_config_fp8_backward_operands_reaches_the_sparse_layers():
   # base_config's field through RunSpec.build / model_config to the FFN layers' op: the same
   # loss (forward unchanged), other FFN kernel gradients (the backward GEMMs' operands).
   c = config_lib.apply_variant(config_lib.base_config(), "tiny")
-  assert c.sparsity.fp8_backward_operands == "e4m3"
+  assert c.sparsity.fp8_backward_operands == "auto"   # 'e4m3' on 'xla'
+  c.sparsity.method, c.sparsity.fp8 = "s_ste", True
+  assert RunSpec.build(c).model_cfg.sparsity.gemm.fp8_backward_operands == "e4m3"
   c.sparsity.method, c.sparsity.fp8 = "s_ste", True
   c.model.vocab_size, c.model.seq_len = 64, 8
   c.model.num_layers, c.model.num_heads, c.model.d_model = 1, 2, 16
@@ -134,7 +137,7 @@ def test_config_fp8_backward_operands_reaches_the_sparse_layers():
   assert not np.array_equal(fc4, fc5)                    # the backward is not
   np.testing.assert_allclose(fc5, fc4, rtol=0.2, atol=0.2 * float(jnp.abs(fc4).max()))
   c.sparsity.fp8_backward_operands = "e5m3"
-  with pytest.raises(ValueError, match="valid: e4m3, e5m2"):
+  with pytest.raises(ValueError, match="valid: auto, e4m3, e5m2"):
     RunSpec.build(c)
 
 
@@ -234,7 +237,8 @@ def test_cusparselt_prepare_returns_a_separate_tree(fp8, monkeypatch):
   W~'s amax scale); the 'sparsity' collection keeps only the method's state, before and after
   a train step; the FFN layers receive their entry, the head none."""
   c = _tiny("t_sr_ste", {"sparsity.backend": "cusparselt", "sparsity.fp8": fp8,
-                         "sparsity.sparse_layers": ("*/mlp/*", "wte")})
+                         "sparsity.sparse_layers": ("*/mlp/*", "wte"),
+                         "model.dtype": "bfloat16"})
   with cusparselt.standin():   # the sparse head's init (see the test below)
     spec, model, state = _fresh(c)
   method = spec.model_cfg.sparsity.method
@@ -245,12 +249,12 @@ def test_cusparselt_prepare_returns_a_separate_tree(fp8, monkeypatch):
   tokens = c.batch_size * c.model.seq_len
   with cusparselt.standin():
     prepared = jax.jit(lambda p, s: sparse_linear.prepare(
-        spec.model_cfg, p, s, tokens=tokens, dtype=jnp.float32))(state.params, state.sparsity)
+        spec.model_cfg, p, s, tokens=tokens, dtype=jnp.bfloat16))(state.params, state.sparsity)
   flat = flax.traverse_util.flatten_dict(prepared)
   layers = sorted({k[:-1] for k in flat})
   assert layers == sorted(p for p in paths if p != (state_lib.HEAD,))
   assert layers == [("h_0", "mlp", "fc"), ("h_0", "mlp", "proj")]
-  want_keys = {"fwd", "dx", "w_scale"} if fp8 else {"fwd", "dx"}
+  want_keys = {"fwd", "fwd_scale", "dx", "dx_scale"} if fp8 else {"fwd", "dx"}
   for path in layers:
     entry = state_lib.get_path(prepared, path)
     assert set(entry) == want_keys, (path, set(entry))
@@ -260,19 +264,27 @@ def test_cusparselt_prepare_returns_a_separate_tree(fp8, monkeypatch):
     np.testing.assert_array_equal(
         np.asarray(method.project(jnp.asarray(kernel),
                                   state_lib.get_path(state.sparsity, path))), wt)
-    for name in ("fwd", "dx"):
-      buf = np.asarray(entry[name])
-      assert buf.dtype == np.uint8
+    n, k = wt.shape
+    # The forward's operand is W~ (TN); the data gradient's W~ itself (NN, bf16) or W~^T (TN,
+    # FP8: the only layout 8-bit types take), in the backward's format (e5m2).
+    for name, fmt, tn in (("fwd", ml_dtypes.float8_e4m3fn, True),
+                          ("dx", ml_dtypes.float8_e5m2, fp8)):
+      buf = entry[name]
+      gemm = (cslt.fwd_gemm(tokens, n, k) if name == "fwd"
+              else cslt.dgrad_gemm(tokens, n, k, tn))
+      dtype = fmt if fp8 else jnp.bfloat16
+      assert buf.dtype == jnp.uint8 and buf.shape == (gemm.compressed_bytes(dtype),)
+      got = np.asarray(cusparselt._standin_decompress(buf, gemm, dtype), np.float32)  # pylint: disable=protected-access
+      op_a = wt if name == "fwd" else wt.T                     # op(A): (m, k)
       if not fp8:
-        np.testing.assert_array_equal(buf.view(np.float32).reshape(wt.shape), wt, err_msg=name)
+        want = op_a.astype(ml_dtypes.bfloat16).astype(np.float32)
       else:
-        scale = np.float32(float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)
-                           / np.abs(wt).max())
-        np.testing.assert_allclose(float(entry["w_scale"]), scale, rtol=1e-6)
-        want = (wt * scale).astype(ml_dtypes.float8_e4m3fn)
-        np.testing.assert_array_equal(
-            buf.view(ml_dtypes.float8_e4m3fn).reshape(wt.shape).astype(np.float32),
-            want.astype(np.float32), err_msg=name)
+        scale = np.float32(float(ml_dtypes.finfo(fmt).max)
+                           / np.abs(wt.astype(ml_dtypes.bfloat16).astype(np.float32)).max())
+        np.testing.assert_allclose(float(entry[f"{name}_scale"]), scale, rtol=1e-6)
+        want = (op_a.astype(ml_dtypes.bfloat16).astype(np.float32) * scale).astype(
+            fmt).astype(np.float32)
+      np.testing.assert_array_equal(got, want, err_msg=name)
 
   # The model receives them as variables['prepared']: the FFN layers their entry, the head
   # none; and a train step leaves 'sparsity' with the method's state only.

@@ -9,22 +9,9 @@ import numpy as np
 import pytest
 
 from s24jax import train
-from s24jax import model as model_lib
 from s24jax import state as state_lib
-from s24jax.run_spec import RunSpec
 
-from tiny import tiny_config
-
-
-def _setup(method="dense", overrides=None):
-  cfg = tiny_config(method, overrides={"batch_size": 8, **(overrides or {})})
-  spec = RunSpec.build(cfg)
-  model = model_lib.GPT2(spec.model_cfg)
-  state = spec.fresh_state(0)
-  tokens = np.random.default_rng(0).integers(0, 1000, (8, cfg.model.seq_len + 1))
-  batch = {"inputs": jnp.asarray(tokens[:, :-1], jnp.int32),
-           "targets": jnp.asarray(tokens[:, 1:], jnp.int32)}
-  return cfg, model, spec.tx(state.params, state.sparsity), state, batch
+from train_helpers import tiny_setup
 
 
 def _copy(tree):
@@ -37,7 +24,7 @@ def _copy(tree):
     ("t_sr_ste", {"sparsity.t_sr_ste.decay": 1e-2, "sparsity.t_sr_ste.mask_refresh_every": 2}),
 ])
 def test_accumulation_is_the_same_math_as_one_big_batch(projection, overrides):
-  cfg, model, tx, state, batch = _setup(projection, overrides)
+  cfg, model, tx, state, batch = tiny_setup(projection, overrides)
   runs = {}
   for k in (1, 4):
     st, losses_ = _copy(state), []
@@ -59,7 +46,7 @@ def test_accumulation_is_the_same_math_as_one_big_batch(projection, overrides):
 def test_mvue_draws_an_independent_key_per_micro_batch():
   """With MVUE, accumulation over k micro-batches equals the sum of k separate gradients,
   micro-batch i (rows i, i+k, ...) drawn with fold_in(key, i): computed independently."""
-  cfg, model, _, state, batch = _setup("s_ste", {"sparsity.mvue": True, "sparsity.fp8": False})
+  cfg, model, _, state, batch = tiny_setup("s_ste", {"sparsity.mvue": True, "sparsity.fp8": False})
   key = jax.random.key(7)
   grads_fn = jax.jit(train.loss_and_grads, static_argnames=("model", "accum_steps"))
   total, grads = grads_fn(state.params, state.sparsity, batch, key, model=model, accum_steps=2)

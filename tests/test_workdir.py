@@ -12,22 +12,7 @@ import pytest
 from s24jax import loop
 from s24jax import workdir as workdir_lib
 
-from tiny import tiny_config
-
-
-def _config(data_cache, steps):
-  return tiny_config("s_ste", steps=steps, workdir_cache=data_cache,
-                     overrides={"log_every": 5, "checkpoint_every": 100})
-
-
-def _digest(path):
-  out = {}
-  for root, _, files in os.walk(path):
-    for name in files:
-      p = os.path.join(root, name)
-      with open(p, "rb") as f:
-        out[os.path.relpath(p, path)] = hash(f.read())
-  return out
+from train_helpers import digest, run_config
 
 
 def test_a_lock_left_by_a_dead_process_is_taken_over(tmp_path, data_cache):
@@ -46,10 +31,10 @@ def test_a_lock_left_by_a_dead_process_is_taken_over(tmp_path, data_cache):
   # by the loop, before it writes anything.
   with open(path, "w") as f:
     json.dump({"host": socket.gethostname(), "pid": os.getppid(), "started": "now"}, f)
-  before = _digest(workdir)
+  before = digest(workdir)
   with pytest.raises(workdir_lib.WorkdirLockedError, match=f"pid {os.getppid()}"):
-    loop.train_and_evaluate(_config(data_cache, steps=4), workdir)
-  assert _digest(workdir) == before
+    loop.train_and_evaluate(run_config(data_cache, steps=4), workdir)
+  assert digest(workdir) == before
 
 
 def test_a_workdir_from_before_the_rename_is_refused_with_the_new_key(tmp_path, data_cache):
@@ -58,4 +43,4 @@ def test_a_workdir_from_before_the_rename_is_refused_with_the_new_key(tmp_path, 
   with open(os.path.join(workdir, "config.json"), "w") as f:
     json.dump({"sparsity": {"projection": "s_ste"}}, f)
   with pytest.raises(ValueError, match="sparsity.method"):
-    loop.train_and_evaluate(_config(data_cache, steps=2), workdir)
+    loop.train_and_evaluate(run_config(data_cache, steps=2), workdir)

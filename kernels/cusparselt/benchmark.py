@@ -1,7 +1,10 @@
 """The cuSPARSELt rows of `python -m s24jax.kernels.bench --backend cusparselt`: each of the
 sparse linear op's three GEMMs through cuSPARSELt (compression included, and without it for
 the weight GEMMs, whose compression happens once per forward) against the dense cuBLAS GEMM
-XLA runs for the same product, at GPT-2's FFN shapes. GPU only (A100 / H100); never run here.
+XLA runs for the same product, at GPT-2's FFN shapes, in bf16 (the layouts the sparse op uses
+for 16-bit types: TN, NN, TT with a row-major D; kernels/cusparselt/rules.py). The FP8 GEMMs and
+their accuracy against 'xla': `python -m s24jax.gpu_report`. GPU only (A100 / H100); never run
+here.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ _GEMMS = {
     "dgrad dX=dYW~": (lambda t, n, k: ops.Gemm(m=k, n=t, k=n, trans_a=False, trans_b=False),
                       "w_t", lambda x, w, dy: dy @ w),
     "wgrad dW=MVUE(dY)^Tx": (lambda t, n, k: ops.Gemm(m=n, n=k, k=t, trans_a=True,
-                                                      trans_b=True),
+                                                      trans_b=True, d_row_major=True),
                              "dy_t", lambda x, w, dy: dy.T @ x),
 }
 

@@ -12,13 +12,18 @@
 // known on a GPU). Both handlers find the same plan, cached per (device, m, n, k, dtypes,
 // transposes, D's order); its algorithm is chosen once, by cusparseLtMatmulSearch on scratch
 // buffers, when the plan is made (the compressed layout depends on it: compress and multiply
-// under one plan). Workspace and compression buffers come from XLA's scratch allocator; all
+// under one plan). Handles and plans are per thread (and per device within a thread):
+// cuSPARSELt handles must not be shared across threads (NVIDIA's advice, relayed in
+// pytorch/pytorch#113776; PyTorch keeps a thread-local handle per device since #114273), and
+// with nothing shared there is no lock, so one device's algorithm search never stalls
+// another's GEMMs. Workspace and compression buffers come from XLA's scratch allocator; all
 // work runs on XLA's stream. Every cuSPARSELt or CUDA failure comes back as an FFI error
 // naming the call and the status; nothing aborts the process.
 //
-// The compressed output has the byte size of the dense A, an upper bound of cuSPARSELt's
-// compressed size (values are half of A, metadata a fraction of that) known without a GPU at
-// trace time; the handler checks the real size against it.
+// The compressed output has the size rules.py gives (R9: 9/16 of the dense A's bytes for
+// 16-bit types, 10/16 for 8-bit: half the values and 2 bits per kept value), known without a
+// GPU at trace time; the handler checks the library's own size against it and stops with an
+// error naming both if it does not fit.
 //
 // Build: s24jax/kernels/cusparselt/library.py (g++, no nvcc: cuSPARSELt is a host API).
 
@@ -28,7 +33,6 @@
 #include <cstdint>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -90,9 +94,9 @@ struct Plan {
   size_t workspace = 0, compressed = 0, compress_buffer = 0;
 };
 
-std::mutex mu;
-std::map<int, std::unique_ptr<cusparseLtHandle_t>> handles;   // one per device
-std::map<Key, std::unique_ptr<Plan>> plans;
+// Per thread: one handle per device, and the plans made on them.
+thread_local std::map<int, std::unique_ptr<cusparseLtHandle_t>> handles;
+thread_local std::map<Key, std::unique_ptr<Plan>> plans;
 
 ffi::ErrorOr<cusparseLtHandle_t*> Handle(int device) {
   auto it = handles.find(device);
@@ -110,7 +114,7 @@ void* Scratch(ffi::ScratchAllocator& scratch, size_t bytes) {
   return p.has_value() ? *p : nullptr;
 }
 
-// The plan of `key`, made (and its algorithm searched) on first use. Holds `mu`.
+// The plan of `key` on this thread, made (and its algorithm searched) on first use.
 ffi::ErrorOr<Plan*> GetPlan(const Key& key, cudaStream_t stream,
                             ffi::ScratchAllocator& scratch) {
   auto it = plans.find(key);
@@ -216,12 +220,11 @@ ffi::DataType TypeNamed(std::string_view name) {
   return ffi::DataType::F32;
 }
 
-// The plan of a GEMM (made on first use), on `device`. Plans are never freed, so the pointer
-// stays valid after the lock is released.
+// The plan of a GEMM (made on first use), on `device`, for the calling thread. Plans are
+// never freed, so the pointer stays valid for the thread's life.
 ffi::ErrorOr<Plan*> PlanFor(const ffi::ErrorOr<Key>& key, int32_t device, cudaStream_t stream,
                             ffi::ScratchAllocator& scratch) {
   if (key.has_error()) return ffi::Unexpected(key.error());
-  std::lock_guard<std::mutex> lock(mu);
   cudaError_t err = cudaSetDevice(device);
   if (err != cudaSuccess)
     return ffi::Unexpected(ffi::Error::Internal(std::string("CUDA: cudaSetDevice failed: ") +
@@ -243,7 +246,8 @@ ffi::Error Compress(cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t 
     return ffi::Error::Internal(
         "cuSPARSELt: the compressed operand needs " + std::to_string(p->compressed) +
         " bytes, more than the " + std::to_string(compressed->size_bytes()) +
-        " the trace reserved (the dense operand's size)");
+        " the trace reserved (kernels/cusparselt/rules.py, R9: 9/16 of the dense bytes for "
+        "16-bit types, 10/16 for 8-bit); raise the bound there (compressed_bytes)");
   }
   void* buffer = Scratch(scratch, p->compress_buffer);
   if (p->compress_buffer && !buffer)

@@ -11,15 +11,20 @@ matrix X with the array equal to X^T. With `Gemm(m, n, k, trans_a, trans_b)`:
 
 `compress(a, gemm)` turns the dense 2:4 A array into cuSPARSELt's opaque compressed form,
 under the plan of that GEMM (the layout depends on the plan's algorithm), as a uint8 buffer of
-A's byte size (an upper bound of the compressed size that needs no GPU to compute);
+the bound rules.py gives (9/16 of A's bytes for 16-bit types, 10/16 for 8-bit: half the values
+and 2 bits per kept value; the handler checks the library's own size against it);
 `spmm(a_compressed, b, gemm, ...)` multiplies. Both are `jax.ffi.ffi_call`s of the targets
-that library.register() builds and registers.
+that library.register() builds and registers. Every GEMM is checked against the library's
+rules first (rules.py: types, layouts, dimensions), so one it would refuse fails at trace
+time, on any machine, with an error naming the rule.
 
 The stand-in: `with standin():` replaces both calls by jnp with the same operands, shapes,
-transposes and layouts (the "compressed" buffer holds A's bytes). It is the one place a test
-replaces the library, so the CPU suite can check everything around the FFI calls (the
-operands and layouts s24jax.sparse_ops passes, the gradients, the training) against the xla
-backend; the handlers themselves run only on a GPU (tests marked `gpu`).
+transposes and layouts, under the same rules. Its compressed buffer has the real one's size
+and holds a real 2:4 compression of A along k (the values, then a nibble of positions per
+group of 4), so an operand that is not 2:4 along k loses values as it would on the GPU. It is
+the one place a test replaces the library, so the CPU suite can check everything around the
+FFI calls (the operands and layouts s24jax.sparse_ops passes, the gradients, the training)
+against the xla backend; the handlers themselves run only on a GPU (tests marked `gpu`).
 """
 from __future__ import annotations
 
@@ -31,8 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import library
+from . import rules
 
-MIN_COMPUTE_CAPABILITY = (8, 0)   # bf16 / f16 2:4 on sm_80+; e4m3 / e5m2 on sm_90+
 BACKEND_ELSEWHERE = "xla"
 _DTYPE_NAMES = {jnp.dtype(jnp.bfloat16): "bf16", jnp.dtype(jnp.float16): "f16",
                 jnp.dtype(jnp.float8_e4m3fn): "e4m3", jnp.dtype(jnp.float8_e5m2): "e5m2",
@@ -66,15 +71,20 @@ class Gemm:
     return dict(m=np.int64(self.m), n=np.int64(self.n), k=np.int64(self.k),
                 trans_a=self.trans_a, trans_b=self.trans_b, d_row_major=self.d_row_major)
 
-  def check(self, what: str, a_shape: tuple[int, ...]) -> None:
-    """Shapes cuSPARSELt cannot take are refused here, naming the dimension."""
-    for name, value, multiple in (("k (the contraction, 2:4 groups along it)", self.k, 16),
-                                  ("m", self.m, 16), ("n", self.n, 16)):
-      if value % multiple:
-        raise ValueError(f"cusparselt {what}: {name} = {value} must be a multiple of "
-                         f"{multiple} (cuSPARSELt's 16-byte alignment and 2:4 tiles); the "
-                         f"sparse operand has shape {tuple(a_shape)}. Use "
-                         f"sparsity.backend='{BACKEND_ELSEWHERE}' for this layer's shape.")
+  def check(self, what: str, *, a_dtype, b_dtype, d_dtype) -> None:
+    """A GEMM cuSPARSELt 0.10 would refuse is refused here (rules.RuleError, naming the rule)."""
+    try:
+      rules.check(what, m=self.m, n=self.n, k=self.k, trans_a=self.trans_a,
+                  trans_b=self.trans_b, a_type=dtype_name(a_dtype),
+                  b_type=dtype_name(b_dtype),
+                  d_type=dtype_name(d_dtype))
+    except rules.RuleError as e:
+      raise rules.RuleError(f"{e} The sparse operand has shape {self.a_shape()}. Use "
+                            f"sparsity.backend='{BACKEND_ELSEWHERE}' for this layer.") from None
+
+  def compressed_bytes(self, a_dtype) -> int:
+    """The compressed A buffer's size (rules.py, R9)."""
+    return rules.rule(dtype_name(a_dtype)).compressed_bytes(self.m * self.k)
 
 
 _STANDIN = False
@@ -91,10 +101,11 @@ def standin():
     _STANDIN = old
 
 
-def check_device(*, fp8: bool = False) -> None:
-  """Raises UnsupportedDevice unless the target is an NVIDIA GPU of compute capability 8.0+
-  (9.0+ for FP8 operands; the default device: a compile-only GPU in a deviceless compile,
-  else jax's first)."""
+def check_device(a_dtype=jnp.bfloat16) -> None:
+  """Raises UnsupportedDevice unless the target is an NVIDIA GPU whose compute capability runs
+  2:4 GEMMs of `a_dtype` (rules.py, R8: 8.0+; e4m3 / e5m2 from 8.9: L4, L40S, H100 and newer).
+  The target is the default device: a compile-only GPU in a deviceless compile, else jax's
+  first."""
   if _STANDIN:
     return
   dev = jax.config.jax_default_device or jax.devices()[0]
@@ -105,22 +116,20 @@ def check_device(*, fp8: bool = False) -> None:
     major_minor = tuple(int(p) for p in str(cc).split(".")[:2])
   except ValueError:
     major_minor = None
-  if cc is None or major_minor is None or major_minor < MIN_COMPUTE_CAPABILITY:
+  if cc is None or major_minor is None or major_minor < rules.MIN_COMPUTE_CAPABILITY:
     where = (f"a {dev.device_kind} (compute capability {cc})" if dev.platform == "gpu"
              else f"jax platform {dev.platform!r}")
     raise UnsupportedDevice(
         "sparsity.backend='cusparselt' runs on NVIDIA GPUs with 2:4 sparse tensor cores "
         f"(compute capability 8.0+: A100, H100 and newer); this process targets {where}. "
         f"Use sparsity.backend='{BACKEND_ELSEWHERE}', which runs on every device.")
-  if fp8 and major_minor < (9, 0):
-    raise UnsupportedDevice(
-        f"sparsity.fp8 with sparsity.backend='cusparselt' needs FP8 sparse tensor cores "
-        f"(compute capability 9.0+: H100 and newer); this process targets a "
-        f"{dev.device_kind} (compute capability {cc}). Set sparsity.fp8=False, or use "
-        f"sparsity.backend='{BACKEND_ELSEWHERE}'.")
+  why = rules.check_compute_capability(dtype_name(a_dtype), major_minor, dev.device_kind)
+  if why:
+    raise UnsupportedDevice(f"{why}. Set sparsity.fp8=False, or use "
+                            f"sparsity.backend='{BACKEND_ELSEWHERE}'.")
 
 
-def _name(dtype) -> str:
+def dtype_name(dtype) -> str:
   try:
     return _DTYPE_NAMES[jnp.dtype(dtype)]
   except KeyError:
@@ -130,20 +139,21 @@ def _name(dtype) -> str:
 
 def compress(a: jax.Array, gemm: Gemm, *, b_dtype, d_dtype) -> jax.Array:
   """cuSPARSELt's compressed form of the dense 2:4 A array (shape gemm.a_shape()) for `gemm`
-  with B in `b_dtype` and D in `d_dtype`: uint8 (A's bytes,)."""
+  with B in `b_dtype` and D in `d_dtype`: uint8 (gemm.compressed_bytes(A's dtype),)."""
   if tuple(a.shape) != gemm.a_shape():
     raise ValueError(f"cusparselt compress: A has shape {tuple(a.shape)}, the GEMM "
                      f"{gemm} needs {gemm.a_shape()}")
-  gemm.check("compress", a.shape)
-  nbytes = a.size * a.dtype.itemsize
+  if not _STANDIN:   # off a GPU, that is the first thing to say
+    check_device(a.dtype)
+  gemm.check("compress", a_dtype=a.dtype, b_dtype=b_dtype, d_dtype=d_dtype)
+  nbytes = gemm.compressed_bytes(a.dtype)
   if _STANDIN:
-    return jax.lax.bitcast_convert_type(a.reshape(-1), jnp.uint8).reshape(nbytes)
-  check_device(fp8=jnp.dtype(a.dtype).itemsize == 1)
+    return _standin_compress(a, gemm, nbytes)
   library.register()
   # vmap (scanned blocks' stacked weights): one call per layer.
   call = jax.ffi.ffi_call("cusparselt_compress", jax.ShapeDtypeStruct((nbytes,), jnp.uint8),
                           vmap_method="sequential")
-  return call(a, **gemm.attrs(), b_dtype=_name(b_dtype), d_dtype=_name(d_dtype))
+  return call(a, **gemm.attrs(), b_dtype=dtype_name(b_dtype), d_dtype=dtype_name(d_dtype))
 
 
 def spmm(a_compressed: jax.Array, b: jax.Array, gemm: Gemm, *, a_dtype, out_dtype) -> jax.Array:
@@ -152,16 +162,61 @@ def spmm(a_compressed: jax.Array, b: jax.Array, gemm: Gemm, *, a_dtype, out_dtyp
   if tuple(b.shape) != gemm.b_shape():
     raise ValueError(f"cusparselt spmm: B has shape {tuple(b.shape)}, the GEMM {gemm} "
                      f"needs {gemm.b_shape()}")
-  gemm.check("spmm", gemm.a_shape())
+  if not _STANDIN:
+    check_device(a_dtype)
+  gemm.check("spmm", a_dtype=a_dtype, b_dtype=b.dtype, d_dtype=out_dtype)
+  if a_compressed.shape != (gemm.compressed_bytes(a_dtype),):
+    raise ValueError(f"cusparselt spmm: the compressed A has shape {a_compressed.shape}, the "
+                     f"GEMM {gemm} in {jnp.dtype(a_dtype)} needs "
+                     f"({gemm.compressed_bytes(a_dtype)},)")
   if _STANDIN:
-    a = jax.lax.bitcast_convert_type(
-        a_compressed.reshape(-1, jnp.dtype(a_dtype).itemsize), a_dtype).reshape(gemm.a_shape())
-    op_a = a if gemm.trans_a else a.T                                  # (m, k)
+    op_a = _standin_decompress(a_compressed, gemm, a_dtype)            # (m, k)
     op_b = b if gemm.trans_b else b.T                                  # (k, n)
-    d = jnp.matmul(op_a, op_b, preferred_element_type=jnp.float32)     # (m, n)
+    # float32 products of the operands are exact (XLA:CPU has no bf16 x bf16 -> f32 dot
+    # inside a fused step), summed in float32 as the library does.
+    d = jnp.matmul(op_a.astype(jnp.float32), op_b.astype(jnp.float32),
+                   precision=jax.lax.Precision.HIGHEST)                # (m, n)
     return (d if gemm.d_row_major else d.T).astype(out_dtype)
-  check_device()
   library.register()
   call = jax.ffi.ffi_call("cusparselt_spmm", jax.ShapeDtypeStruct(gemm.d_shape(), out_dtype),
                           vmap_method="sequential")
-  return call(a_compressed, b, **gemm.attrs(), a_dtype=_name(a_dtype))
+  return call(a_compressed, b, **gemm.attrs(), a_dtype=dtype_name(a_dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# The stand-in's compressed format: a real 2:4 compression along k, in the real buffer's size.
+
+
+def _standin_compress(a: jax.Array, gemm: Gemm, nbytes: int) -> jax.Array:
+  """op(A) (m, k) as [its kept values (m, k/2) in A's dtype][one nibble i0 | i1 << 2 per
+  group of 4, two per byte (m, k/8)], as bytes: exactly `nbytes` (rules.py, R9)."""
+  op_a = a if gemm.trans_a else a.T                                  # (m, k), groups along k
+  mags = jnp.abs(op_a.astype(jnp.float32))
+  g = op_a.reshape(gemm.m, gemm.k // 4, 4)                           # (m, G, 4)
+  rank = jnp.argsort(-mags.reshape(gemm.m, gemm.k // 4, 4), axis=-1, stable=True)
+  i0, i1 = jnp.sort(rank[..., :2], axis=-1)[..., 0], jnp.sort(rank[..., :2], axis=-1)[..., 1]
+  v0 = jnp.take_along_axis(g, i0[..., None], -1)[..., 0]
+  v1 = jnp.take_along_axis(g, i1[..., None], -1)[..., 0]
+  values = jnp.stack([v0, v1], -1).reshape(-1)                       # (m k / 2,)
+  nib = (i0 | (i1 << 2)).astype(jnp.uint8).reshape(gemm.m, gemm.k // 8, 2)
+  meta = (nib[..., 0] | (nib[..., 1] << 4)).reshape(-1)              # (m k / 8,)
+  value_bytes = jax.lax.bitcast_convert_type(values, jnp.uint8).reshape(-1)
+  out = jnp.concatenate([value_bytes, meta])
+  assert out.size == nbytes, (out.size, nbytes)
+  return out
+
+
+def _standin_decompress(c: jax.Array, gemm: Gemm, a_dtype) -> jax.Array:
+  """The inverse of `_standin_compress`: op(A) (m, k) in `a_dtype`."""
+  itemsize = jnp.dtype(a_dtype).itemsize
+  n_values = gemm.m * gemm.k // 2
+  value_bytes = c[:n_values * itemsize].reshape(n_values, itemsize)
+  values = jax.lax.bitcast_convert_type(value_bytes, a_dtype).reshape(gemm.m, gemm.k // 4, 2)
+  meta = c[n_values * itemsize:].reshape(gemm.m, gemm.k // 8)
+  nib = jnp.stack([meta & 15, meta >> 4], -1).reshape(gemm.m, gemm.k // 4)
+  i0, i1 = nib & 3, nib >> 2
+  pos = jnp.arange(4, dtype=jnp.uint8)
+  zero = jnp.zeros((), a_dtype)
+  dense = jnp.where(pos == i0[..., None], values[..., :1],
+                    jnp.where(pos == i1[..., None], values[..., 1:], zero))   # (m, G, 4)
+  return dense.reshape(gemm.m, gemm.k)

@@ -32,11 +32,14 @@ class Backend:
   check:   optional; raises ValueError naming what the backend cannot do with these options
            (FP8, a format). Called when the model config is built, not when a step is traced.
   needs_24: W~ must be 2:4 along `in` (compressed kernels); 'xla' takes any W~.
+  fp8_backward: the FP8 format of W~ and x in the backward GEMMs that
+           sparsity.fp8_backward_operands='auto' picks for this backend.
   """
   linear: LinearFn
   prepare: PrepareFn | None = None
   check: Callable[[GemmOptions], None] | None = None
   needs_24: bool = True
+  fp8_backward: str = "e4m3"
 
 
 _BACKENDS: dict[str, Backend] = {}

@@ -1,14 +1,35 @@
 """The 'cusparselt' backend: cuSPARSELt's 2:4 GEMMs through the XLA FFI (A100, H100 and newer).
 
-  forward        y^T (N, T) = W~ x^T            W~ compressed (prepared once per step)
-  data gradient  dX^T (K, T) = W~^T dY^T         transposable masks only; dense otherwise
-  weight grad.   dW (N, K) = MVUE(dY^T) x        with sparsity.mvue; dense otherwise
+With x (T, K) tokens, W~ (N, K) 2:4 along K, dY (T, N), every GEMM in a layout and with types
+the library plans (kernels/cusparselt/rules.py; each GEMM is checked against those rules at
+trace time):
 
-FP8 (e4m3 / e5m2, per-tensor scales as in 'xla') with sparsity.fp8; not with
-sparsity.fp8_backward_operands='e5m2'. The GEMM convention is kernels/cusparselt/ops.py's:
-x (T, K), W~ (N, K), dY (T, N), all row-major, passed as they are. Under a mesh each device
-runs its own shard (`per_device`). Compiled for A100 and H100 without a GPU; its CPU tests use
-the jnp stand-in of kernels/cusparselt/ops.py, and it has never run on a GPU.
+  forward        y^T (N, T) = W~ x^T             A = W~, compressed once per step (`prepare`)
+  data gradient  dX^T (K, T) = W~^T dY^T          transposable masks only (W~^T is 2:4 along N);
+                                                  A = W~^T, compressed once per step; dense
+                                                  XLA otherwise
+  weight grad.   dW (N, K) = MVUE(dY^T) x          with sparsity.mvue (A = the estimate, 2:4
+                                                  along T, compressed per micro-batch); dense
+                                                  XLA otherwise
+
+Layouts. 16-bit operands take every layout, so none is copied: dX is the NN GEMM on W~ itself
+and dW the TT GEMM on x itself. 8-bit (FP8) operands take only TN (R3), so W~^T is materialized
+for dX (once per step, in `prepare`) and x^T for dW (per micro-batch). D is written in the
+order the next op reads it (y and dX as the column-major D^T, dW row-major): no transposes.
+
+Types. bf16 operands write bf16 (R2: there is no bf16-in, f32-out kernel), so each
+micro-batch's dW is rounded to bf16 before the accumulation adds it in float32, where the 'xla'
+backend keeps it in float32 (docs/backends.md gives the measured difference). FP8 (sparsity.fp8)
+takes one FP8 type per GEMM (R1): the forward is e4m3 x e4m3, the backward GEMMs take dY and
+W~ / x both in sparsity.fp8_backward_operands, which must be 'e5m2' here ('auto' picks it:
+the S-STE reference's e5m2 backward, the same formats as the 'xla' backend's 'e5m2'); FP8
+GEMMs write float32, with the per-tensor scales of 'xla' applied after. float32 operands are
+refused (R7: 50% sparsity is 1:2 for float32). FP8 needs compute capability 8.9 (L4, L40S,
+H100 and newer), 16-bit 8.0 (R8).
+
+Under a mesh each device runs its own shard (`per_device`). Compiled for A100 and H100
+without a GPU; its CPU tests use the jnp stand-in of kernels/cusparselt/ops.py, which
+enforces the same rules. It has never run on a GPU.
 """
 from __future__ import annotations
 
@@ -21,90 +42,117 @@ import numpy as np
 
 from s24jax import fp8 as fp8_lib
 from s24jax.kernels.cusparselt import ops as cusparselt
+from s24jax.kernels.cusparselt import rules
 from s24jax.sparse_ops import backend as backend_lib
 from s24jax.sparse_ops import common
 from s24jax.sparse_ops.options import GemmOptions
 
+# The FP8 format of both operands of the backward GEMMs that 'auto' picks here (R1: one type
+# per GEMM; dY wants e5m2's range).
+FP8_BACKWARD = "e5m2"
+
 
 def check(opts: GemmOptions) -> None:
-  if opts.fp8 and opts.fp8_backward_operands != "e4m3":
-    raise ValueError(f"sparsity.fp8_backward_operands={opts.fp8_backward_operands!r} is not "
-                     "supported by sparsity.backend='cusparselt': dY, W~ and x would all be "
-                     "e5m2, and an FP8 tensor-core GEMM (cuSPARSELt's, on Hopper) needs one "
-                     "e4m3 operand; e5m2 x e5m2 has none. Use 'e4m3' with 'cusparselt', or "
-                     "sparsity.backend='xla'.")
+  if opts.fp8 and opts.fp8_backward_operands != FP8_BACKWARD:
+    raise ValueError(
+        f"sparsity.backend='cusparselt' with sparsity.fp8 needs "
+        f"sparsity.fp8_backward_operands='{FP8_BACKWARD}' (or 'auto', which picks it), not "
+        f"{opts.fp8_backward_operands!r}: cuSPARSELt takes one FP8 type per GEMM "
+        "(kernels/cusparselt/rules.py, R1), and the data and weight gradients' dY is e5m2, so "
+        "W~ and x join it in e5m2 (as the S-STE reference does). 'e4m3' (W~ and x in e4m3, "
+        "dY in e5m2) runs on sparsity.backend='xla'.")
 
 
-def _fwd_gemm(t: int, n: int, k: int) -> cusparselt.Gemm:
-  """y^T (N, T) = W~ (N x K, 2:4 along K) x^T: the A array is W~ itself, B is x."""
+def formats(opts: GemmOptions):
+  """(forward format, backward format): the FP8 dtypes of the GEMMs' operands, or
+  (None, None) without FP8 (the operands stay in the compute dtype)."""
+  if not opts.fp8:
+    return None, None
+  return fp8_lib.E4M3, common.backward_format(opts)
+
+
+def _k_major_only(dtype) -> bool:
+  """Whether cuSPARSELt takes operands of `dtype` in the TN layout only (rules R3)."""
+  return rules.rule(cusparselt.dtype_name(dtype)).k_major_only
+
+
+def fwd_gemm(t: int, n: int, k: int) -> cusparselt.Gemm:
+  """y^T (N, T) = W~ (N x K, 2:4 along K) x^T: TN, A = W~ (N, K), B = x (T, K)."""
   return cusparselt.Gemm(m=n, n=t, k=k, trans_a=True, trans_b=False)
 
 
-def _dgrad_gemm(t: int, n: int, k: int) -> cusparselt.Gemm:
-  """dX^T (K, T) = W~^T (K x N, 2:4 along N: transposable) dY^T: A is W~, B is dY."""
-  return cusparselt.Gemm(m=k, n=t, k=n, trans_a=False, trans_b=False)
+def dgrad_gemm(t: int, n: int, k: int, tn: bool) -> cusparselt.Gemm:
+  """dX^T (K, T) = W~^T (K x N, 2:4 along N) dY^T, B = dY (T, N). TN: A = W~^T (K, N)
+  materialized; NN: A = W~ (N, K) itself."""
+  return cusparselt.Gemm(m=k, n=t, k=n, trans_a=tn, trans_b=False)
 
 
-def _wgrad_gemm(t: int, n: int, k: int) -> cusparselt.Gemm:
-  """dW (N, K) = MVUE(dY^T) (N x T, 2:4 along T) x: A is MVUE(dY^T), B is x; D is dW^T."""
-  return cusparselt.Gemm(m=n, n=k, k=t, trans_a=True, trans_b=True)
+def wgrad_gemm(t: int, n: int, k: int, tn: bool) -> cusparselt.Gemm:
+  """dW (N, K), row-major D, = MVUE(dY^T) (N x T, 2:4 along T) x, A = the estimate (N, T).
+  TN: B = x^T (K, T) materialized; TT: B = x (T, K) itself."""
+  return cusparselt.Gemm(m=n, n=k, k=t, trans_a=True, trans_b=not tn, d_row_major=True)
 
 
-def _gemm(a: jax.Array, b: jax.Array, gemm: cusparselt.Gemm, opts: GemmOptions,
-          a_format=fp8_lib.E4M3, b_format=fp8_lib.E4M3) -> jax.Array:
-  """D array (gemm.d_shape()) float32 of the sparse A array times the B array: A compressed
-  here (FP8: quantized first), then `_prepared_gemm`."""
-  if opts.fp8:
-    qa, sa = fp8_lib.quantize(a, a_format, common.fp8_scale(a, a_format, opts))
-  else:
-    qa, sa = a, None
-  b_dtype = b_format if opts.fp8 else b.dtype
-  out = jnp.float32 if opts.fp8 else b.dtype
-  compressed = cusparselt.compress(qa, gemm, b_dtype=b_dtype, d_dtype=out)
-  return _prepared_gemm(compressed, qa.dtype, sa, b, gemm, opts, b_format)
+def quantize(a: jax.Array, fmt, opts: GemmOptions):
+  """(a in `fmt` with its per-tensor scale (the whole tensor's under shard_map), scale); a
+  itself and None without FP8."""
+  if fmt is None:
+    return a, None
+  return fp8_lib.quantize(a, fmt, common.fp8_scale(a, fmt, opts))
 
 
-def _prepared_gemm(compressed: jax.Array, a_dtype, a_scale, b: jax.Array,
-                   gemm: cusparselt.Gemm, opts: GemmOptions, b_format) -> jax.Array:
-  """`_gemm` with A compressed beforehand (`prepare`): only B is quantized."""
-  if opts.fp8:
-    qb, sb = fp8_lib.quantize(b, b_format, common.fp8_scale(b, b_format, opts))
-    dq = (1.0 / a_scale) * (1.0 / sb)
-  else:
-    qb, dq = b, None
-  out = jnp.float32 if opts.fp8 else b.dtype
+def out_dtype(fmt, compute_dtype):
+  return jnp.float32 if fmt is not None else compute_dtype
+
+
+def compressed_gemm(compressed: jax.Array, a_dtype, a_scale, b: jax.Array,
+                    gemm: cusparselt.Gemm, opts: GemmOptions, fmt) -> jax.Array:
+  """The D array (gemm.d_shape()) float32 of an A compressed beforehand times the B array
+  (quantized here in `fmt` under FP8, both scales applied to the float32 result)."""
+  qb, sb = quantize(b, fmt, opts)
   d = cusparselt.spmm(compressed, qb, gemm, a_dtype=a_dtype,
-                      out_dtype=out).astype(jnp.float32)
-  return d if dq is None else d * dq
+                      out_dtype=out_dtype(fmt, b.dtype)).astype(jnp.float32)
+  return d if fmt is None else d * ((1.0 / a_scale) * (1.0 / sb))
+
+
+def sparse_gemm(a: jax.Array, b: jax.Array, gemm: cusparselt.Gemm, opts: GemmOptions,
+                fmt) -> jax.Array:
+  """`compressed_gemm` with A compressed here (quantized first under FP8)."""
+  qa, sa = quantize(a, fmt, opts)
+  compressed = cusparselt.compress(qa, gemm, b_dtype=qa.dtype,
+                                   d_dtype=out_dtype(fmt, b.dtype))
+  return compressed_gemm(compressed, qa.dtype, sa, b, gemm, opts, fmt)
 
 
 def prepare(w: jax.Array, *, tokens: int, dtype, opts: GemmOptions) -> dict[str, jax.Array]:
-  """W~ (N, K) compressed for the forward and (transposable) the data-gradient GEMM of a
-  micro-batch of `tokens` tokens per device, in `dtype` (FP8: e4m3 with W~'s amax scale,
-  'w_scale'). The train step computes these once per optimizer step, outside the
-  accumulation loop, so that no micro-batch and no recomputed forward compresses W~ again."""
+  """W~ (N, K) compressed for the forward ('fwd') and, for transposable masks, the
+  data-gradient GEMM ('dx') of a micro-batch of `tokens` tokens per device, in `dtype` (FP8:
+  the forward's e4m3 and the backward's format, with their scales 'fwd_scale', 'dx_scale').
+  The train step computes these once per optimizer step, outside the accumulation loop, so
+  that no micro-batch and no recomputed forward compresses W~ again."""
   n, k = w.shape
   w = jax.lax.stop_gradient(w).astype(dtype)
-  out_dtype = jnp.float32 if opts.fp8 else jnp.dtype(dtype)
-  if opts.fp8:
-    qw, sw = fp8_lib.quantize(w, fp8_lib.E4M3)   # W~ is replicated: its own amax is global
-  else:
-    qw, sw = w, None
-  x_dtype = fp8_lib.E4M3 if opts.fp8 else dtype
-  prepared = {"fwd": cusparselt.compress(qw, _fwd_gemm(tokens, n, k), b_dtype=x_dtype,
-                                         d_dtype=out_dtype)}
-  if opts.transposable:
-    dy_dtype = fp8_lib.E5M2 if opts.fp8 else dtype
-    prepared["dx"] = cusparselt.compress(qw, _dgrad_gemm(tokens, n, k), b_dtype=dy_dtype,
-                                         d_dtype=out_dtype)
+  fwd_fmt, bwd_fmt = formats(opts)
+  prepared = {}
+  # W~ is replicated (the FSDP all-gather): its own amax is the global one.
+  qw, sw = (w, None) if fwd_fmt is None else fp8_lib.quantize(w, fwd_fmt)
+  prepared["fwd"] = cusparselt.compress(qw, fwd_gemm(tokens, n, k), b_dtype=qw.dtype,
+                                        d_dtype=out_dtype(fwd_fmt, dtype))
   if sw is not None:
-    prepared["w_scale"] = sw
+    prepared["fwd_scale"] = sw
+  if opts.transposable:
+    qd, sd = (w, None) if bwd_fmt is None else fp8_lib.quantize(w, bwd_fmt)
+    tn = _k_major_only(qd.dtype)
+    prepared["dx"] = cusparselt.compress(qd.T if tn else qd, dgrad_gemm(tokens, n, k, tn),
+                                         b_dtype=qd.dtype, d_dtype=out_dtype(bwd_fmt, dtype))
+    if sd is not None:
+      prepared["dx_scale"] = sd
   return prepared
 
 
-def _a_dtype(x: jax.Array, opts: GemmOptions):
-  """The dtype W~ was compressed in: e4m3 with FP8, else the compute dtype."""
-  return fp8_lib.E4M3 if opts.fp8 else x.dtype
+def _a_dtype(fmt, x: jax.Array):
+  """The dtype an A operand was compressed in: the GEMM's FP8 format, else x's dtype."""
+  return x.dtype if fmt is None else fmt
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -112,33 +160,44 @@ def linear_2d(opts: GemmOptions, x: jax.Array, w: jax.Array, key: jax.Array | No
               prepared: dict) -> jax.Array:
   t, k = x.shape
   n = w.shape[0]
+  fmt, _ = formats(opts)
   if "fwd" in prepared:
-    y = _prepared_gemm(prepared["fwd"], _a_dtype(x, opts), prepared.get("w_scale"), x,
-                       _fwd_gemm(t, n, k), opts, fp8_lib.E4M3)            # (T, N)
+    y = compressed_gemm(prepared["fwd"], _a_dtype(fmt, x), prepared.get("fwd_scale"), x,
+                        fwd_gemm(t, n, k), opts, fmt)                    # (T, N)
   else:
-    y = _gemm(w.astype(x.dtype), x, _fwd_gemm(t, n, k), opts)            # (T, N)
+    y = sparse_gemm(w.astype(x.dtype), x, fwd_gemm(t, n, k), opts, fmt)  # (T, N)
   return y.astype(x.dtype)
 
 
 def _fwd(opts, x, w, key, prepared):
-  return linear_2d(opts, x, w, key, prepared), (x, w, key, prepared)
+  # W~ itself is needed in the backward only where a GEMM compresses it there or is dense.
+  # (Otherwise a zero-size stand-in of W~'s row count and dtype.)
+  keep_w = not (opts.transposable and "dx" in prepared)
+  w_res = w if keep_w else jnp.zeros((w.shape[0], 0), w.dtype)
+  return linear_2d(opts, x, w, key, prepared), (x, w_res, key, prepared)
 
 
 def _bwd(opts, res, dy):
   x, w, key, prepared = res
   (t, k), n = x.shape, w.shape[0]
+  _, fmt = formats(opts)
   dy = dy.astype(x.dtype)
-  if opts.transposable and "dx" in prepared:
-    dx = _prepared_gemm(prepared["dx"], _a_dtype(x, opts), prepared.get("w_scale"), dy,
-                        _dgrad_gemm(t, n, k), opts, fp8_lib.E5M2)            # (T, K)
-  elif opts.transposable:
-    dx = _gemm(w.astype(x.dtype), dy, _dgrad_gemm(t, n, k), opts,
-               fp8_lib.E4M3, fp8_lib.E5M2)                                 # (T, K)
+  if opts.transposable:
+    tn = _k_major_only(_a_dtype(fmt, x))
+    gemm = dgrad_gemm(t, n, k, tn)
+    if "dx" in prepared:
+      dx = compressed_gemm(prepared["dx"], _a_dtype(fmt, x), prepared.get("dx_scale"), dy,
+                           gemm, opts, fmt)                                # (T, K)
+    else:
+      wd = w.astype(x.dtype)
+      dx = sparse_gemm(wd.T if tn else wd, dy, gemm, opts, fmt)            # (T, K)
   else:
     dx = common.dgrad_gemm(dy, w.astype(dy.dtype), opts)                   # (T, K), dense
   if opts.mvue:   # the point of MVUE: dW = MVUE(dY^T) x, 2:4 along the tokens
     est = common.wgrad_operand(dy, key, opts)                              # (N, T)
-    dw = _gemm(est, x, _wgrad_gemm(t, n, k), opts, fp8_lib.E5M2, fp8_lib.E4M3).T   # (N, K)
+    tn = _k_major_only(_a_dtype(fmt, x))
+    dw = sparse_gemm(est, x.T if tn else x, wgrad_gemm(t, n, k, tn), opts,
+                     fmt)                                                  # (N, K)
   else:
     dw = common.wgrad_gemm(dy, x, key, opts)                               # (N, K), dense
   dprepared = jax.tree.map(
@@ -184,4 +243,5 @@ def linear(opts, x, w, key, prepared):
   return per_device(linear_2d, opts)(x, w, key, dict(prepared))
 
 
-BACKEND = backend_lib.Backend(linear=linear, prepare=prepare, check=check)
+BACKEND = backend_lib.Backend(linear=linear, prepare=prepare, check=check,
+                              fp8_backward=FP8_BACKWARD)

@@ -9,9 +9,12 @@ from __future__ import annotations
 import dataclasses
 
 # sparsity.fp8_backward_operands: the FP8 format of W~ (dX = dY W~) and x (dW = est(dY^T) x)
-# in the backward GEMMs. 'e4m3' (default): as in the forward, so every FP8 GEMM has an e4m3
-# operand (what FP8 tensor cores take). 'e5m2': re-quantized like dY (the S-STE reference).
+# in the backward GEMMs, dY being e5m2. 'e4m3': as in the forward (every FP8 GEMM then has an
+# e4m3 operand, what cuBLASLt's FP8 GEMMs take). 'e5m2': re-quantized like dY (the S-STE
+# reference; one type per GEMM, what cuSPARSELt's take). 'auto' (the config's default) is the
+# backend's own choice (`Backend.fp8_backward`): 'e4m3' on 'xla', 'e5m2' on 'cusparselt'.
 FP8_BACKWARD_OPERANDS = ("e4m3", "e5m2")
+FP8_BACKWARD_AUTO = "auto"
 
 
 @dataclasses.dataclass(frozen=True)

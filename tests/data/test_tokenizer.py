@@ -7,25 +7,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import pathlib
-import socket
 
 import pytest
 
 from s24jax.data import tokenizer
-
-
-@pytest.fixture(scope='module', autouse=True)
-def no_network():
-  """Any attempt to open a network connection fails the test instead of hanging on it
-  (the tokenizer is built from local files; tiktoken's own 'gpt2' would download them)."""
-
-  def refuse(*args, **kwargs):
-    raise AssertionError(f'Network access attempted: {args}')
-
-  with pytest.MonkeyPatch.context() as m:
-    m.setattr(socket.socket, 'connect', refuse)
-    m.setattr(socket, 'create_connection', refuse)
-    yield
 
 
 def gpt2_encoder_json() -> dict[str, int]:

@@ -28,11 +28,9 @@ from s24jax.run_spec import RunSpec
 
 from tiny import tiny_config
 
+from method_helpers import fwd_bwd, rand
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _rand(seed, shape=(8, 16)):
-  return np.asarray(jax.random.normal(jax.random.key(seed), shape), np.float32)
 
 
 def test_the_step_and_the_loop_name_no_method():
@@ -83,18 +81,14 @@ def test_every_builtin_method_trains_with_the_tied_head_sparse(name, data_cache)
 
 
 def test_dense_is_identity():
-  w = _rand(0)
-  g = _rand(1)
-  proj = registry.get_method("dense")
-  layer = proj.init_layer(jnp.asarray(w))
-  y, vjp = jax.vjp(lambda w_: proj.project(w_, layer), jnp.asarray(w))
-  (dw,) = vjp(jnp.asarray(g))
-  np.testing.assert_array_equal(np.asarray(y), w)
-  np.testing.assert_array_equal(np.asarray(dw), g)
+  w = rand(0)
+  y, dw, g, _ = fwd_bwd("dense", w)    # g = rand(1)
+  np.testing.assert_array_equal(y, w)
+  np.testing.assert_array_equal(dw, g)
 
 
 def test_masks_match_forward_support():
-  w = _rand(5)
+  w = rand(5)
   for name in ("ste", "sr_ste", "s_ste"):
     proj = registry.get_method(name)
     layer = proj.init_layer(jnp.asarray(w))

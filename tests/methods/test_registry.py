@@ -24,6 +24,8 @@ from s24jax.methods import registry
 
 from tiny import tiny_config
 
+from method_helpers import rand
+
 
 @jax.custom_vjp
 def _keep_n_of_4(w, n_kept):
@@ -76,10 +78,6 @@ def counting_method():
     yield method
   finally:
     registry._REGISTRY.pop(name, None)   # pylint: disable=protected-access
-
-
-def _rand(seed, shape=(8, 16)):
-  return np.asarray(jax.random.normal(jax.random.key(seed), shape), np.float32)
 
 
 @pytest.mark.slow
@@ -164,7 +162,7 @@ def test_register_plain_function_and_protect_builtins():
     registry.register_projection("test_one_of_four", half)
     proj = registry.get_method("test_one_of_four")
     assert "test_one_of_four" in registry.available_methods()
-    w = _rand(6)
+    w = rand(6)
     y = np.asarray(proj.project(jnp.asarray(w), {}))
     assert ((y != 0).reshape(-1, 4).sum(1) == 1).all()
     np.testing.assert_array_equal(np.asarray(proj.mask(jnp.asarray(w), {})), y != 0)

@@ -8,8 +8,6 @@ not copies of the library's vectorised implementation.
 """
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,7 +21,8 @@ from s24jax import train
 from s24jax.kernels import masks
 from s24jax.methods import registry
 from s24jax.methods import s_ste
-from s24jax.run_spec import RunSpec
+
+from method_helpers import fresh_model_state, fwd_bwd, rand, random_batch
 
 
 def _hard(w):
@@ -39,22 +38,9 @@ def np_soft_threshold(w):
   return out.reshape(w.shape)
 
 
-def _rand(seed, shape=(8, 16)):
-  return np.asarray(jax.random.normal(jax.random.key(seed), shape), np.float32)
-
-
-def _fwd_bwd(name, w, seed=1, **fields):
-  proj = dataclasses.replace(registry.get_method(name), **fields)
-  state = proj.init_layer(jnp.asarray(w))
-  g = _rand(seed, w.shape)
-  y, vjp = jax.vjp(lambda w_: proj.project(w_, state), jnp.asarray(w))
-  (dw,) = vjp(jnp.asarray(g))
-  return np.asarray(y), np.asarray(dw), g, state
-
-
 def test_s_ste_forward_scale_and_straight_through_backward():
-  w = _rand(3)
-  y, dw, g, state = _fwd_bwd("s_ste", w)
+  w = rand(3)
+  y, dw, g, state = fwd_bwd("s_ste", w)
   s = np_soft_threshold(w.astype(np.float64))
   beta = (w * s).sum() / (s * s).sum()
   np.testing.assert_allclose(float(state["scale"]), beta, rtol=1e-5)
@@ -65,7 +51,7 @@ def test_s_ste_forward_scale_and_straight_through_backward():
 
 def test_s_ste_scale_is_state_not_recomputed():
   """The forward uses the scale it is given (the frozen one), not one from the current w."""
-  w = _rand(4)
+  w = rand(4)
   proj = registry.get_method("s_ste")
   y = proj.project(jnp.asarray(w), {"scale": jnp.float32(2.0)})
   np.testing.assert_allclose(np.asarray(y), 2.0 * np_soft_threshold(w), rtol=1e-6, atol=1e-7)
@@ -74,7 +60,7 @@ def test_s_ste_scale_is_state_not_recomputed():
 def test_the_layer_state_holds_the_scale_and_the_mask_of_the_soft_threshold():
   """init_layer: the scale, and the 'mask' every sparse layer needs: the support of S(w),
   which is the hard 2:4 mask where no group has ties."""
-  w = _rand(7)
+  w = rand(7)
   layer = registry.get_method("s_ste").init_layer(jnp.asarray(w))
   assert set(layer) == {"scale", "mask"}
   np.testing.assert_array_equal(np.asarray(layer["mask"]), np_soft_threshold(w) != 0)
@@ -205,15 +191,8 @@ def _scales(sparsity) -> dict[tuple[str, ...], float]:
           for p in state_lib.sparse_layer_paths(sparsity)}
 
 
-def _fresh_state(config, seed):
-  spec = RunSpec.build(config)
-  model = model_lib.GPT2(spec.model_cfg)
-  state = spec.fresh_state(seed)
-  return model, spec.tx(state.params, state.sparsity), state
-
-
 def test_initial_scale_is_s_ste_scale_of_initial_kernel():
-  _, _, state = _fresh_state(_tiny_config(), seed=0)
+  _, _, state = fresh_model_state(_tiny_config(), seed=0)
   paths = state_lib.sparse_layer_paths(state.sparsity)
   assert [p[1:] for p in paths] == [("mlp", "fc"), ("mlp", "proj")]
   for p, beta in _scales(state.sparsity).items():
@@ -224,14 +203,12 @@ def test_initial_scale_is_s_ste_scale_of_initial_kernel():
 @pytest.mark.parametrize("rescale_every", [0, 3])
 def test_scale_recomputed_exactly_every_k_steps(rescale_every):
   config = _tiny_config(rescale_every)
-  model, tx, state = _fresh_state(config, seed=0)
+  model, tx, state = fresh_model_state(config, seed=0)
   rng = np.random.default_rng(0)
   initial = _scales(state.sparsity)
   previous = initial
   for step in range(1, 8):
-    tokens = rng.integers(0, 64, size=(4, 9))
-    batch = {"inputs": jnp.asarray(tokens[:, :-1]), "targets": jnp.asarray(tokens[:, 1:])}
-    state, metrics = train.train_step(state, batch, model=model, tx=tx)
+    state, metrics = train.train_step(state, random_batch(rng, seq_len=8), model=model, tx=tx)
     assert int(state.step) == step
     scales = _scales(state.sparsity)
     for p, beta in scales.items():
@@ -251,11 +228,9 @@ def test_scale_recomputed_exactly_every_k_steps(rescale_every):
 
 def test_scale_restored_from_checkpoint_unchanged(tmp_path):
   config = _tiny_config()
-  model, tx, state = _fresh_state(config, seed=0)
+  model, tx, state = fresh_model_state(config, seed=0)
   rng = np.random.default_rng(1)
-  tokens = rng.integers(0, 64, size=(4, 9))
-  batch = {"inputs": jnp.asarray(tokens[:, :-1]), "targets": jnp.asarray(tokens[:, 1:])}
-  state, _ = train.train_step(state, batch, model=model, tx=tx)
+  state, _ = train.train_step(state, random_batch(rng, seq_len=8), model=model, tx=tx)
   saved = _scales(state.sparsity)
   saved_arrays = jax.device_get(state.sparsity)
   ckpt = ckpt_lib.Checkpointer(str(tmp_path), async_save=False)
@@ -263,7 +238,7 @@ def test_scale_restored_from_checkpoint_unchanged(tmp_path):
   ckpt.close()
 
   # Restore into a state built from another seed, whose scales differ.
-  _, _, other = _fresh_state(config, seed=5)
+  _, _, other = fresh_model_state(config, seed=5)
   assert _scales(other.sparsity) != saved
   restored = ckpt_lib.Checkpointer(str(tmp_path), async_save=False).restore_or_init(other)
   assert int(restored.step) == 1

@@ -28,39 +28,17 @@ from s24jax.kernels import masks
 from s24jax.methods import base
 from s24jax.methods import registry
 from s24jax.methods import sr_ste
-from s24jax.model import GPT2
-from s24jax.run_spec import RunSpec
 from s24jax.step_info import StepInfo
 
 from tiny import tiny_config
 
+from method_helpers import fresh_model_state, fwd_bwd, np_mask24, rand, random_batch
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def np_mask24(w):
-  """Keep the 2 largest |w| of every 4 along the last axis; ties to the lower index."""
-  g = np.abs(w).reshape(-1, 4)
-  order = np.argsort(-g, axis=1, kind="stable")
-  m = np.zeros_like(g, dtype=bool)
-  np.put_along_axis(m, order[:, :2], True, axis=1)
-  return m.reshape(w.shape)
-
-
-def _rand(seed, shape=(8, 16)):
-  return np.asarray(jax.random.normal(jax.random.key(seed), shape), np.float32)
 
 
 def _normal(seed, shape):
   return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
-
-
-def _fwd_bwd(name, w, seed=1, **fields):
-  proj = dataclasses.replace(registry.get_method(name), **fields)
-  state = proj.init_layer(jnp.asarray(w))
-  g = _rand(seed, w.shape)
-  y, vjp = jax.vjp(lambda w_: proj.project(w_, state), jnp.asarray(w))
-  (dw,) = vjp(jnp.asarray(g))
-  return np.asarray(y), np.asarray(dw), g, state
 
 
 # ---------------------------------------------------------------------------------------------
@@ -70,8 +48,8 @@ def _fwd_bwd(name, w, seed=1, **fields):
 @pytest.mark.parametrize("placement,lam", [("backward", 0.3), ("gradients", 0.3),
                                            ("weights", 0.3), ("backward", 0.0)])
 def test_sr_ste_backward_adds_masked_decay_only_in_backward_placement(placement, lam):
-  w = _rand(2)
-  y, dw, g, _ = _fwd_bwd("sr_ste", w, decay=lam, decay_placement=placement)
+  w = rand(2)
+  y, dw, g, _ = fwd_bwd("sr_ste", w, decay=lam, decay_placement=placement)
   m = np_mask24(w)
   np.testing.assert_array_equal(y, np.where(m, w, 0))
   expected = g + (lam * (~m) * w if placement == "backward" else 0.0)
@@ -356,11 +334,6 @@ def test_the_controller_window_is_the_second_half_of_decay_auto_steps():
 # In training.
 
 
-def _batch(rng):
-  tokens = rng.integers(0, 64, size=(4, 17))
-  return {"inputs": jnp.asarray(tokens[:, :-1]), "targets": jnp.asarray(tokens[:, 1:])}
-
-
 @pytest.mark.parametrize("name", ["sr_ste", "t_sr_ste"])
 def test_in_training_the_controller_follows_the_rule_on_the_rate_it_steers_on(name):
   """Window [6, 12) in rounds of 2 steps (each judged on its second): lambda_W after every
@@ -372,13 +345,10 @@ def test_in_training_the_controller_follows_the_rule_on_the_rate_it_steers_on(na
   config.model.vocab_size = 64
   method = registry.from_config(config)
   assert method.steer_on == {"sr_ste": "flip_rate", "t_sr_ste": "flip_rate_transposable"}[name]
-  spec = RunSpec.build(config)
-  model = GPT2(spec.model_cfg)
-  state = spec.fresh_state(config.seed)
-  tx = spec.tx(state.params, state.sparsity)
+  model, tx, state = fresh_model_state(config)
   rng, lams, rates = np.random.default_rng(2), [], []
   for _ in range(14):
-    state, metrics = train.train_step(state, _batch(rng), model=model, tx=tx)
+    state, metrics = train.train_step(state, random_batch(rng), model=model, tx=tx)
     # the lambda this step used is the controller's value before the step
     assert float(metrics["method/decay"]) == pytest.approx(lams[-1] if lams else 6e-5)
     lams.append(float(state.method_state.decay))

@@ -20,11 +20,11 @@ from s24jax import loop
 from s24jax import state as state_lib
 from s24jax import train
 from s24jax.kernels import masks
-from s24jax.model import GPT2
-from s24jax.run_spec import RunSpec
 from s24jax.step_info import StepInfo, itstime
 
 from tiny import tiny_config
+
+from method_helpers import fresh_model_state, random_batch
 
 
 def _tiny(method, overrides=None, **kwargs):
@@ -33,23 +33,11 @@ def _tiny(method, overrides=None, **kwargs):
   return c
 
 
-def _fresh(config):
-  spec = RunSpec.build(config)
-  model = GPT2(spec.model_cfg)
-  state = spec.fresh_state(config.seed)
-  return model, spec.tx(state.params, state.sparsity), state
-
-
-def _batch(rng):
-  tokens = rng.integers(0, 64, size=(4, 17))
-  return {"inputs": jnp.asarray(tokens[:, :-1]), "targets": jnp.asarray(tokens[:, 1:])}
-
-
 def test_t_sr_ste_mask_refreshed_exactly_every_k_steps_and_cached_between():
   k = 3
   config = _tiny("t_sr_ste", {"sparsity.t_sr_ste.mask_refresh_every": k, "sparsity.mvue": True,
                               "sparsity.t_sr_ste.decay": 1e-3, "optim.lr": 3e-2})
-  model, tx, state = _fresh(config)
+  model, tx, state = fresh_model_state(config)
   paths = state_lib.sparse_layer_paths(state.sparsity)
   assert [p[1:] for p in paths] == [("mlp", "fc"), ("mlp", "proj")]
   # Copies: train_step donates the state's buffers.
@@ -62,7 +50,7 @@ def test_t_sr_ste_mask_refreshed_exactly_every_k_steps_and_cached_between():
   stale_seen = False
   for step in range(1, 2 * k + 2):
     prev, before = cached(state), kernels(state)
-    state, metrics = train.train_step(state, _batch(rng), model=model, tx=tx)
+    state, metrics = train.train_step(state, random_batch(rng), model=model, tx=tx)
     now = kernels(state)
     # Every step: the paper's r_t, of the plain 2:4 mask of the latent W (NumPy count).
     flips = sum(int((np.asarray(nm(now[p])) != np.asarray(nm(before[p]))).sum()) for p in paths)
@@ -99,7 +87,7 @@ def test_t_sr_ste_drift_refresh_follows_the_weights():
   tau = 0.01
   config = _tiny("t_sr_ste", {"sparsity.t_sr_ste.mask_refresh_every": 1000,
                               "sparsity.t_sr_ste.mask_refresh_drift": tau, "optim.lr": 3e-2})
-  model, tx, state = _fresh(config)
+  model, tx, state = fresh_model_state(config)
   paths = state_lib.sparse_layer_paths(state.sparsity)
   kernels = lambda s: {p: np.asarray(state_lib.get_path(s.params, p)["kernel"]) for p in paths}
   nm = jax.jit(masks.nm_mask)
@@ -108,7 +96,7 @@ def test_t_sr_ste_drift_refresh_follows_the_weights():
   rng = np.random.default_rng(1)
   refreshes = 0
   for step in range(1, 9):
-    state, metrics = train.train_step(state, _batch(rng), model=model, tx=tx)
+    state, metrics = train.train_step(state, random_batch(rng), model=model, tx=tx)
     plain = {p: np.asarray(nm(w)) for p, w in kernels(state).items()}
     drift = (sum(int((plain[p] != at_refresh[p]).sum()) for p in paths)
              / sum(m.size for m in plain.values()))
@@ -147,7 +135,7 @@ def test_flip_rate_transposable_is_measured_exactly_at_the_logged_steps(controll
                       "sparsity.t_sr_ste.decay_auto_every": 1})
   config = _tiny("t_sr_ste", overrides, steps=total)
   config.log_every = log_every
-  model, tx, state = _fresh(config)
+  model, tx, state = fresh_model_state(config)
   method = model.config.sparsity.method
   assert not hasattr(method, "log_every") and not hasattr(method, "total_steps")
   paths = state_lib.sparse_layer_paths(state.sparsity)
@@ -162,7 +150,7 @@ def test_flip_rate_transposable_is_measured_exactly_at_the_logged_steps(controll
     info = StepInfo.at(step, log_every=log_every, total=total)
     assert info.log == (step in logged)
     before = kernels(state)
-    state, metrics = train.train_step(state, _batch(rng), info, model=model, tx=tx)
+    state, metrics = train.train_step(state, random_batch(rng), info, model=model, tx=tx)
     after = kernels(state)
     rate = float(metrics["flip_rate_transposable"])
     per_layer = [float(metrics[f"flip_rate_transposable/{state_lib.layer_name(p)}"])

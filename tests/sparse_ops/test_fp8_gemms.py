@@ -132,15 +132,18 @@ def test_fp8_backward_operands_bad_values_are_refused():
   with pytest.raises(ValueError, match="unknown sparsity.fp8_backward_operands 'e4m3fn'; "
                                        "valid: e4m3, e5m2"):
     GemmOptions(fp8=True, fp8_backward_operands="e4m3fn")
-  with pytest.raises(ValueError, match="valid: e4m3, e5m2"):
+  with pytest.raises(ValueError, match="valid: auto, e4m3, e5m2"):
     SparsityConfig(fp8=True, fp8_backward_operands="E5M2")
-  # cuSPARSELt has no e5m2 x e5m2 GEMM: refused (its Backend.check), with the reason and the
-  # valid choice, when the options are checked and when the model config is built.
-  opts = GemmOptions(backend="cusparselt", fp8=True, fp8_backward_operands="e5m2")
-  with pytest.raises(ValueError, match="(?s)backend='cusparselt'.*one e4m3 operand.*'e4m3'"):
+  # cuSPARSELt takes one FP8 type per GEMM (rules R1): e4m3 W~ / x against e5m2 dY is
+  # refused, with the reason and the valid choice, when the options are checked and when the
+  # model config is built; 'auto' picks e5m2 there.
+  opts = GemmOptions(backend="cusparselt", fp8=True, fp8_backward_operands="e4m3")
+  with pytest.raises(ValueError, match="(?s)backend='cusparselt'.*'e5m2'.*one FP8 type per GEMM"):
     sparse_ops.check(opts)
   with pytest.raises(ValueError, match="backend='cusparselt'"):
-    SparsityConfig(backend="cusparselt", fp8=True, fp8_backward_operands="e5m2")
+    SparsityConfig(backend="cusparselt", fp8=True, fp8_backward_operands="e4m3")
+  sparse_ops.check(GemmOptions(backend="cusparselt", fp8=True, fp8_backward_operands="e5m2"))
+  assert SparsityConfig(backend="cusparselt", fp8=True).gemm.fp8_backward_operands == "e5m2"
   sparse_ops.check(GemmOptions(backend="xla", fp8=True, fp8_backward_operands="e5m2"))
   # Without FP8 the option would do nothing: refused rather than ignored.
   with pytest.raises(ValueError, match="sparsity.fp8 is False"):

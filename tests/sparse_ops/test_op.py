@@ -28,16 +28,24 @@ from s24jax.sparse_ops.options import GemmOptions
 
 from tiny import tiny_config
 
+from ops_helpers import normal
+
 HI = jax.lax.Precision.HIGHEST
 MVUE = GemmOptions(mvue=True)
 
 
-def _normal(seed, shape):
-  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
-
-
 def _mm(a, b):
   return jnp.matmul(a, b, precision=HI)
+
+
+def _assert_formulas(x, w, dy, y, dx, dw):
+  """y = x W~^T, dX = dY W~, dW~ = dY^T x for x, dy of shape (B, T, in), (B, T, out)."""
+  np.testing.assert_allclose(y, jnp.einsum("bti,oi->bto", x, w, precision=HI), rtol=1e-5,
+                             atol=1e-5)
+  np.testing.assert_allclose(dx, jnp.einsum("bto,oi->bti", dy, w, precision=HI), rtol=1e-5,
+                             atol=1e-5)
+  np.testing.assert_allclose(dw, jnp.einsum("bto,bti->oi", dy, x, precision=HI), rtol=1e-5,
+                             atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -46,15 +54,10 @@ def _mm(a, b):
 
 def test_op_matches_reference_for_unstructured_weight_and_leading_dims():
   """The op itself does not assume a mask: any W~, any leading dims of x."""
-  x, w, dy = _normal(3, (3, 2, 8)), _normal(4, (4, 8)), _normal(5, (3, 2, 4))
+  x, w, dy = normal(3, (3, 2, 8)), normal(4, (4, 8)), normal(5, (3, 2, 4))
   y, vjp = jax.vjp(lambda x, w: sparse_ops.sparse_linear(x, w), x, w)
   dx, dw = vjp(dy)
-  np.testing.assert_allclose(y, jnp.einsum("bti,oi->bto", x, w, precision=HI), rtol=1e-5,
-                             atol=1e-5)
-  np.testing.assert_allclose(dx, jnp.einsum("bto,oi->bti", dy, w, precision=HI), rtol=1e-5,
-                             atol=1e-5)
-  np.testing.assert_allclose(dw, jnp.einsum("bto,bti->oi", dy, x, precision=HI), rtol=1e-5,
-                             atol=1e-5)
+  _assert_formulas(x, w, dy, y, dx, dw)
 
 
 def _grads_with_mvue(x, w, dy, key):
@@ -65,8 +68,8 @@ def _grads_with_mvue(x, w, dy, key):
 def test_mvue_estimate_of_dy_transposed_is_24_along_tokens():
   """With x = I (tokens = in), dW = est(dY^T) x is the estimate itself: 2:4 along tokens."""
   n, out = 16, 8
-  dy = _normal(6, (n, out))                                      # (N, out)
-  _, dw = _grads_with_mvue(jnp.eye(n), _normal(7, (out, n)), dy, jax.random.PRNGKey(0))
+  dy = normal(6, (n, out))                                       # (N, out)
+  _, dw = _grads_with_mvue(jnp.eye(n), normal(7, (out, n)), dy, jax.random.PRNGKey(0))
   groups = np.asarray(dw).reshape(out, n // 4, 4)                # (out, N/4, 4) along tokens
   nnz = (groups != 0).sum(-1)
   assert nnz.max() <= 2 and (nnz == 2).all()                     # dy has no zeros
@@ -78,7 +81,7 @@ def test_mvue_estimate_of_dy_transposed_is_24_along_tokens():
 
 def test_mvue_weight_gradient_is_unbiased_and_data_gradient_exact():
   n, d_in, out, draws = 8, 4, 4, 4000
-  x, w, dy = _normal(8, (n, d_in)), _normal(9, (out, d_in)), _normal(10, (n, out))
+  x, w, dy = normal(8, (n, d_in)), normal(9, (out, d_in)), normal(10, (n, out))
   keys = jax.random.split(jax.random.PRNGKey(3), draws)
   dxs, dws = jax.jit(jax.vmap(lambda k: _grads_with_mvue(x, w, dy, k)))(keys)
   ref = np.asarray(_mm(dy.T, x), np.float64)                     # (out, in)
@@ -92,7 +95,7 @@ def test_mvue_weight_gradient_is_unbiased_and_data_gradient_exact():
 
 
 def test_mvue_errors_name_the_problem():
-  x, w = _normal(0, (6, 4)), _normal(1, (4, 4))
+  x, w = normal(0, (6, 4)), normal(1, (4, 4))
   with pytest.raises(ValueError, match="rngs=\\{'mvue'"):
     jax.grad(lambda w: sparse_ops.sparse_linear(x[:4], w, None, opts=MVUE).sum())(w)
   with pytest.raises(ValueError, match="multiple of 4"):      # 6 tokens
@@ -187,16 +190,11 @@ def test_a_registered_backend_is_the_one_the_op_and_the_layer_call(restore_backe
   # The op: the new backend's linear, with the options, x flattened to 2-D and {} prepared;
   # and its result (and gradient) is the reference's, which it delegates to.
   opts = GemmOptions(backend="mine")
-  x, w, dy = _normal(0, (2, 3, 8)), _normal(1, (4, 8)), _normal(2, (2, 3, 4))
+  x, w, dy = normal(0, (2, 3, 8)), normal(1, (4, 8)), normal(2, (2, 3, 4))
   y, vjp = jax.vjp(lambda x, w: sparse_ops.sparse_linear(x, w, opts=opts), x, w)
   dx, dw = vjp(dy)
   assert calls == [(opts, (6, 8), (4, 8), True, {})]
-  np.testing.assert_allclose(y, jnp.einsum("bti,oi->bto", x, w, precision=HI), rtol=1e-5,
-                             atol=1e-5)
-  np.testing.assert_allclose(dx, jnp.einsum("bto,oi->bti", dy, w, precision=HI), rtol=1e-5,
-                             atol=1e-5)
-  np.testing.assert_allclose(dw, jnp.einsum("bto,bti->oi", dy, x, precision=HI), rtol=1e-5,
-                             atol=1e-5)
+  _assert_formulas(x, w, dy, y, dx, dw)
 
   # The layer: a SparsityConfig naming it is accepted, and a sparse layer's apply calls it
   # with the config's GemmOptions (init runs the reference: shapes only).

@@ -16,12 +16,8 @@ import numpy as np
 import pytest
 
 from s24jax import sparse_ops
-from s24jax import train
 from s24jax.kernels import compressed_matmul
-from s24jax.kernels import masks
 from s24jax.methods import registry
-from s24jax.model import GPT2
-from s24jax.run_spec import RunSpec
 from s24jax.sparse_linear import SparseLinear, SparsityConfig
 from s24jax.sparse_ops import pallas
 from s24jax.sparse_ops import xla
@@ -29,33 +25,13 @@ from s24jax.sparse_ops.options import GemmOptions
 
 from tiny import tiny_config
 
-
-def _normal(seed, shape):
-  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
-
-
-def _sparse_w(seed, shape):
-  w = _normal(seed, shape)                                           # (out, in)
-  return w * masks.nm_mask(w)                                        # W~, 2:4 along in
-
-
-def _op(backend, x, w, dy, key=None, mvue=False):
-  """y, dX, dW~ of sparse_ops.sparse_linear on `backend` (cotangent dy)."""
-  opts = GemmOptions(mvue=mvue, backend=backend)
-  y, vjp = jax.vjp(lambda x, w: sparse_ops.sparse_linear(x, w, key, opts=opts), x, w)
-  dx, dw = vjp(dy)
-  return y, dx, dw
-
-
-# (tokens, out, in): one that fills whole kernel tiles, one the kernels must pad on every axis
-# (in = 40: not a multiple of the 64-wide K tile nor of 32, the columns per metadata word).
-SHAPES = [(16, 32, 64), (6, 12, 40)]
+from ops_helpers import SHAPES, assert_bf16_op_matches_xla, normal, op, sparse_w, train_losses
 
 
 @pytest.mark.parametrize("tokens,out,inp", SHAPES)
 def test_pallas_op_matches_formulas_and_xla(tokens, out, inp):
-  x, w, dy = _normal(0, (tokens, inp)), _sparse_w(1, (out, inp)), _normal(2, (tokens, out))
-  y, dx, dw = _op("pallas_always", x, w, dy)
+  x, w, dy = normal(0, (tokens, inp)), sparse_w(1, (out, inp)), normal(2, (tokens, out))
+  y, dx, dw = op("pallas_always", x, w, dy)
   xn, wn, dyn = (np.asarray(a, np.float64) for a in (x, w, dy))
   np.testing.assert_allclose(y, xn @ wn.T, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(dx, dyn @ wn, rtol=1e-5, atol=1e-5)
@@ -64,17 +40,17 @@ def test_pallas_op_matches_formulas_and_xla(tokens, out, inp):
   pruned = np.asarray(w) == 0
   np.testing.assert_allclose(dw, dyn.T @ xn, rtol=1e-5, atol=1e-5)
   assert np.abs(np.asarray(dw)[pruned]).min() > 0
-  for got, want in zip((y, dx, dw), _op("xla", x, w, dy)):
+  for got, want in zip((y, dx, dw), op("xla", x, w, dy)):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_pallas_op_mvue_weight_gradient_equals_xla():
   """Same key: the MVUE estimate of dY^T (drawn by the shared wgrad helper) is the same."""
   tokens, out, inp = SHAPES[0]      # the kernels compiled for the test above are reused
-  x, w, dy = _normal(3, (tokens, inp)), _sparse_w(4, (out, inp)), _normal(5, (tokens, out))
+  x, w, dy = normal(3, (tokens, inp)), sparse_w(4, (out, inp)), normal(5, (tokens, out))
   key = jax.random.PRNGKey(7)
-  got = _op("pallas_always", x, w, dy, key, mvue=True)
-  want = _op("xla", x, w, dy, key, mvue=True)
+  got = op("pallas_always", x, w, dy, key, mvue=True)
+  want = op("xla", x, w, dy, key, mvue=True)
   for g, r in zip(got, want):
     np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
   # And it is an estimate, not the exact dY^T x (MVUE is really on in the Pallas path).
@@ -85,7 +61,7 @@ def test_layer_with_pallas_backend_matches_xla():
   """Through SparseLinear (the dispatch point), leading batch axes, bias, and S-STE's
   straight-through backward to the latent W."""
   tokens, out, inp = SHAPES[0]      # as 2 x 8 tokens: the compiled kernels are reused
-  x, dy = _normal(0, (2, tokens // 2, inp)), _normal(1, (2, tokens // 2, out))  # (B, T, in/out)
+  x, dy = normal(0, (2, tokens // 2, inp)), normal(1, (2, tokens // 2, out))  # (B, T, in/out)
   results = {}
   for backend in ("xla", "pallas_always"):
     cfg = SparsityConfig(method=registry.get_method("s_ste"), sparse_layers=("*",),
@@ -135,7 +111,7 @@ def test_backend_errors_name_the_problem():
   with pytest.raises(ValueError, match="sparsity.backend 'cuSPARSELt'; valid: xla, pallas, "
                                        "pallas_always, tcgen05, cusparselt"):
     SparsityConfig(backend="cuSPARSELt")
-  x, w = _normal(0, (4, 6)), _normal(1, (8, 6))                      # in = 6: not 2:4-able
+  x, w = normal(0, (4, 6)), normal(1, (8, 6))                        # in = 6: not 2:4-able
   with pytest.raises(ValueError, match="in_features, here 6"):
     sparse_ops.sparse_linear(x, w, opts=GemmOptions(backend="pallas_always"))
   for backend in ("pallas", "pallas_always"):
@@ -153,19 +129,7 @@ def test_backend_errors_name_the_problem():
 def _train_losses(backend, steps=3):
   c = tiny_config("s_ste", overrides={"sparsity.backend": backend, "sparsity.mvue": True})
   c.model.vocab_size = 64
-  spec = RunSpec.build(c)
-  model_cfg, tx_fn = spec.model_cfg, spec.tx
-  model = GPT2(model_cfg)
-  state = train.fresh_state(model, tx_fn, 0)
-  tx = tx_fn(state.params, state.sparsity)
-  rng = np.random.default_rng(0)
-  losses = []
-  for _ in range(steps):
-    tokens = jnp.asarray(rng.integers(0, 64, (c.batch_size, c.model.seq_len + 1)), jnp.int32)
-    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}    # (B, T) each
-    state, m = train.train_step(state, batch, model=model, tx=tx)
-    losses.append(float(m["loss"] / m["count"]))
-  return losses, jax.device_get(state.params)
+  return train_losses(c, steps)
 
 
 def test_tiny_training_with_pallas_matches_xla():
@@ -187,14 +151,7 @@ def test_tiny_training_with_pallas_matches_xla():
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens,out,inp", SHAPES + [(64, 3072, 768)])
 def test_gpu_pallas_op_matches_xla(tokens, out, inp):
-  x = _normal(0, (tokens, inp)).astype(jnp.bfloat16)
-  w, dy = _sparse_w(1, (out, inp)), _normal(2, (tokens, out)).astype(jnp.bfloat16)
-  got = _op("pallas_always", x, w, dy)
-  want = _op("xla", x, w, dy)
-  # bf16 outputs, f32 accumulation in both: a few bf16 ulps of the largest entries.
-  for g, r in zip(got, want):
-    g, r = np.asarray(g, np.float32), np.asarray(r, np.float32)
-    np.testing.assert_allclose(g, r, rtol=2e-2, atol=2e-2 * np.abs(r).max())
+  assert_bf16_op_matches_xla("pallas_always", tokens, out, inp)
 
 
 @pytest.mark.gpu

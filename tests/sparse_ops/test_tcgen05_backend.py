@@ -16,42 +16,19 @@ import subprocess
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from s24jax import sparse_ops
 from s24jax import train
-from s24jax.kernels import masks
 from s24jax.kernels import tcgen05
 from s24jax.model import GPT2
 from s24jax.run_spec import RunSpec
-from s24jax.sparse_ops.options import GemmOptions
 
 from tiny import tiny_config
 
+from ops_helpers import SHAPES, assert_bf16_op_matches_xla, train_losses
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-# (tokens, out, in) as in test_pallas_backend.py: one that fills whole kernel tiles, one the
-# kernels must pad on every axis.
-SHAPES = [(16, 32, 64), (6, 12, 40)]
-
-
-def _normal(seed, shape):
-  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
-
-
-def _sparse_w(seed, shape):
-  w = _normal(seed, shape)                                           # (out, in)
-  return w * masks.nm_mask(w)                                        # W~, 2:4 along in
-
-
-def _op(backend, x, w, dy, key=None, mvue=False):
-  """y, dX, dW~ of sparse_ops.sparse_linear on `backend` (cotangent dy)."""
-  opts = GemmOptions(mvue=mvue, backend=backend)
-  y, vjp = jax.vjp(lambda x, w: sparse_ops.sparse_linear(x, w, key, opts=opts), x, w)
-  dx, dw = vjp(dy)
-  return y, dx, dw
 
 
 def _config(backend, overrides=None):
@@ -105,32 +82,11 @@ json.dump({"fits": report["fits"], "spills": [r.spill_bytes for r in kernels],
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens,out,inp", SHAPES + [(256, 3072, 768)])
 def test_gpu_tcgen05_op_matches_xla(tokens, out, inp):
-  x = _normal(0, (tokens, inp)).astype(jnp.bfloat16)
-  w = _sparse_w(1, (out, inp))
-  dy = _normal(2, (tokens, out)).astype(jnp.bfloat16)
-  got = _op("tcgen05", x, w, dy)
-  want = _op("xla", x, w, dy)
-  for g, r in zip(got, want):
-    g, r = np.asarray(g, np.float32), np.asarray(r, np.float32)
-    np.testing.assert_allclose(g, r, rtol=2e-2, atol=2e-2 * np.abs(r).max())
+  assert_bf16_op_matches_xla("tcgen05", tokens, out, inp)
 
 
 @pytest.mark.gpu
 def test_gpu_tiny_training_with_tcgen05_matches_xla():
   def losses(backend):
-    c = _config(backend, {"sparsity.mvue": False})
-    spec = RunSpec.build(c)
-    model_cfg, tx_fn = spec.model_cfg, spec.tx
-    model = GPT2(model_cfg)
-    state = train.fresh_state(model, tx_fn, 0)
-    tx = tx_fn(state.params, state.sparsity)
-    rng = np.random.default_rng(0)
-    out = []
-    for _ in range(5):
-      tokens = jax.numpy.asarray(rng.integers(0, 64, (c.batch_size, c.model.seq_len + 1)),
-                                 jax.numpy.int32)
-      state, m = train.train_step(state, {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]},
-                                  model=model, tx=tx)
-      out.append(float(m["loss"] / m["count"]))
-    return out
+    return train_losses(_config(backend, {"sparsity.mvue": False}), 5)[0]
   np.testing.assert_allclose(losses("tcgen05"), losses("xla"), rtol=2e-2)
