@@ -5,8 +5,8 @@
 
 `--config.path.to.field=value` overrides any field (values are read as every s24jax command
 line reads them: s24jax/config_files.py). Running the same command again resumes
-from the last checkpoint in the workdir. A non-finite loss or gradient norm stops the run with
-exit code 1 and a message naming the step and the last good checkpoint.
+from the last checkpoint in the workdir (step 0 included). The whole run is checked before
+anything is written (s24jax/validate.py); a mistake is one line naming the field.
 
 Multi-host: add --distributed (jax.distributed.initialize(), which reads the cluster from the
 environment on SLURM, Open MPI, Kubernetes, TPU pods), or give the cluster explicitly; any of
@@ -17,17 +17,26 @@ environment on SLURM, Open MPI, Kubernetes, TPU pods), or give the cluster expli
 
 On CPU hosts the processes talk through gloo (JAX's CPU collectives).
 
-Exit codes (docs/resuming.md):
+Exit codes (README.md, "Exit codes"; docs/resuming.md):
   0   trained to total_steps (or to --config.stop_at_step)
-  1   stopped by an error: a non-finite loss, a checkpoint that cannot be saved (a full
-      disk) or read, a checkpoint that does not match the config, a backend that cannot run
-      here (e.g. cusparselt off an A100/H100, or without its wheels); or a bad command line
+  1   an internal error (a bug, or a failure s24jax does not check for): its traceback, on
+      the terminal and in <workdir>/train.log
+  2   a user error: a bad command line, config value, data set or workdir, a checkpoint of
+      another config, a backend that cannot run here (e.g. cusparselt off an A100/H100). One
+      line names the field or file; checked before anything is written, so the workdir is
+      as it was
   3   another run holds the workdir (its lock names it); nothing was written
+  4   a non-finite loss or gradient norm stopped the run; nothing non-finite was saved, the
+      message names the step and the last good checkpoint
+  5   a checkpoint could not be saved (a full disk: the message names the step, its path and
+      the previous checkpoint, which is intact) or none in the workdir can be read
   75  stopped by SIGTERM or SIGINT after saving the checkpoint of the step it was on:
       re-run the same command (requeue the job) to resume
 
 The terminal shows the progress bar, s24jax's own messages and every warning; the INFO logs
-of the libraries (Orbax, JAX, TFDS, ...) go to <workdir>/train.log with everything else.
+of the libraries (Orbax, JAX, TFDS, ...), and their tracebacks, go to <workdir>/train.log with
+everything else. train.log is opened once the run's checks pass: a run stopped by a user
+error leaves no log behind.
 """
 import logging as std_logging
 import os
@@ -36,10 +45,9 @@ import sys
 import jax
 from absl import app, flags, logging
 
-from s24jax import checkpoint
-from s24jax import config_files
+from s24jax import errors
 from s24jax import loop
-from s24jax import preemption
+from s24jax import validate
 from s24jax import workdir as workdir_lib
 from s24jax.kernels import aot
 from s24jax.kernels.cusparselt import library as cusparselt_library
@@ -49,6 +57,9 @@ _CONFIG = flags.DEFINE_string("config", None, "Experiment config file[:variant];
                               "--config.path.to.field=value overrides a field (repeatable).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (checkpoints, logs, plots). "
                                "Default: runs/<config name>[_<variant>].")
+_ALLOW_UNMATCHED = flags.DEFINE_bool(
+    "allow_unmatched_sparse_layers", False, "Run even if a pattern of "
+    "config.sparsity.sparse_layers matches no layer of the model (a warning, not an error).")
 _DISTRIBUTED = flags.DEFINE_bool("distributed", False, "Call jax.distributed.initialize() "
                                   "(implied by the three flags below).")
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None,
@@ -60,11 +71,21 @@ _OURS = (os.path.join(os.path.dirname(os.path.abspath(__file__)), "s24jax") + os
          os.path.abspath(__file__))
 _OVERRIDE_PREFIXES = ("--config.", "-config.")
 _overrides: list[str] = []   # 'path.to.field=value' items of --config.path.to.field=value
+# Unchanged for scripts that import it; errors.EXIT_LOCKED.
+EXIT_LOCKED = errors.EXIT_LOCKED
+
+
+def _usage_error(message: str) -> None:
+  """A bad command line: one line, exit code 2 (errors.EXIT_USER)."""
+  sys.stderr.write(f"FATAL Flags parsing error: {message}\n"
+                   "Pass --helpshort or --helpfull to see help on flags.\n")
+  sys.exit(errors.EXIT_USER)
 
 
 def parse_flags(argv: list[str]) -> list[str]:
   """absl's flag parsing, with the --config.FIELD=VALUE overrides taken out first: they are
-  parsed against the loaded config (s24jax/config_files.py), not by absl."""
+  parsed against the loaded config (s24jax/config_files.py), not by absl. An error exits
+  with code 2."""
   rest = []
   for i, arg in enumerate(argv):
     if arg == "--":
@@ -72,11 +93,14 @@ def parse_flags(argv: list[str]) -> list[str]:
       break
     if i and arg.startswith(_OVERRIDE_PREFIXES):
       if "=" not in arg:
-        sys.exit(f"FATAL Flags parsing error: {arg} needs a value: {arg}=VALUE")
+        _usage_error(f"{arg} needs a value: {arg}=VALUE")
       _overrides.append(arg.split(".", 1)[1])
     else:
       rest.append(arg)
-  return app.parse_flags_with_usage(rest)
+  try:
+    return flags.FLAGS(rest)
+  except flags.Error as e:
+    _usage_error(" ".join(str(e).split()))
 
 
 def default_workdir(config_arg: str) -> str:
@@ -86,37 +110,105 @@ def default_workdir(config_arg: str) -> str:
 
 
 class _OnlyOursOrWarnings(std_logging.Filter):
-  """Terminal filter: s24jax's (and this script's) records, and any library's warnings."""
+  """Terminal filter: s24jax's (and this script's) records, and any library's warnings
+  without a traceback (a library's traceback goes to train.log only: the error that stops
+  the run says what happened in one line, e.g. Orbax's failed save)."""
 
   def filter(self, record) -> bool:
-    return (record.levelno >= std_logging.WARNING
-            or os.path.abspath(record.pathname).startswith(_OURS))
+    if os.path.abspath(record.pathname).startswith(_OURS):
+      return True
+    return record.levelno >= std_logging.WARNING and not record.exc_info
 
 
-def _route_logs(workdir: str, process: int = 0) -> str:
-  """Library INFO to <workdir>/train.log only; the terminal keeps ours and the warnings."""
+class _Held(std_logging.Handler):
+  """Holds the records of the start-up until train.log is opened (or the run stops)."""
+
+  def __init__(self):
+    super().__init__(std_logging.INFO)
+    self.records: list[std_logging.LogRecord] = []
+
+  def emit(self, record) -> None:
+    self.records.append(record)
+
+
+class _LogFile(std_logging.FileHandler):
+  """train.log. A write that fails (a full disk: the workdir's) is said once, in one line on
+  the terminal, and the log goes on there alone, instead of a "--- Logging error ---"
+  traceback for every record after it."""
+  broken = False
+
+  def emit(self, record) -> None:
+    if not self.broken:
+      super().emit(record)
+
+  def handleError(self, record) -> None:
+    del record
+    if not self.broken:
+      self.broken = True
+      error = sys.exc_info()[1]
+      sys.stderr.write(f"W launch.py] cannot write {self.baseFilename} ({error}): the rest of "
+                       "the log goes to the terminal only\n")
+
+
+def _terminal_logs() -> _Held:
+  """The terminal keeps ours and the warnings; the rest is held for train.log."""
+  root = std_logging.getLogger()
+  root.setLevel(std_logging.INFO)
+  logging.get_absl_handler().addFilter(_OnlyOursOrWarnings())
+  held = _Held()
+  root.addHandler(held)
+  return held
+
+
+def _ignored_exceptions_to_the_log() -> None:
+  """Exceptions a library ignored (sys.unraisablehook: e.g. tensorstore's callbacks into
+  Orbax's closed event loop after a failed save, one traceback each) go to train.log, with
+  one line on the terminal the first time, not a traceback each on the terminal."""
+  said = []
+
+  def hook(unraisable) -> None:
+    record = std_logging.LogRecord(
+        "unraisable", std_logging.WARNING, "<unraisable>", 0, "exception ignored in %r",
+        (unraisable.object,), (unraisable.exc_type, unraisable.exc_value,
+                               unraisable.exc_traceback))
+    std_logging.getLogger().handle(record)   # the terminal filter keeps it off the terminal
+    if not said:
+      said.append(True)
+      logging.warning("a library ignored an exception (%s: %s); it and any later ones are in "
+                      "train.log", unraisable.exc_type.__name__, unraisable.exc_value)
+
+  sys.unraisablehook = hook
+
+
+def _route_logs(workdir: str, process: int = 0, held: _Held | None = None) -> str:
+  """Library INFO to <workdir>/train.log only (with what was held since the start)."""
   os.makedirs(workdir, exist_ok=True)
   path = os.path.join(workdir, "train.log" if not process else f"train.process{process}.log")
-  file_handler = std_logging.FileHandler(path, encoding="utf-8")
+  file_handler = _LogFile(path, encoding="utf-8")
   file_handler.setFormatter(std_logging.Formatter(
       "%(asctime)s %(levelname).1s %(name)s %(filename)s:%(lineno)d] %(message)s"))
   root = std_logging.getLogger()
-  root.addHandler(file_handler)
   root.setLevel(std_logging.INFO)
-  logging.get_absl_handler().addFilter(_OnlyOursOrWarnings())
+  if held is not None:
+    root.removeHandler(held)
+    for record in held.records:
+      file_handler.handle(record)
+    held.records.clear()
+  root.addHandler(file_handler)
   return path
-
-
-EXIT_LOCKED = 3
 
 
 def main(argv):
   if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    _usage_error(f"unexpected arguments: {argv[1:]} (a field is set with "
+                 "--config.path.to.field=value)")
+  held = _terminal_logs()
+  _ignored_exceptions_to_the_log()
   try:
-    config = config_files.load_config(_CONFIG.value, args=_overrides)
-  except config_files.OverrideError as e:
-    raise app.UsageError(str(e)) from None
+    config = validate.load_config(_CONFIG.value, args=_overrides)
+  except errors.UserError as e:
+    logging.error("%s", e)
+    sys.exit(e.exit_code)
   workdir = _WORKDIR.value or default_workdir(_CONFIG.value)
   explicit = {name: f.value for name, f in (("coordinator_address", _COORDINATOR),
                                             ("num_processes", _NUM_PROCESSES),
@@ -128,44 +220,60 @@ def main(argv):
   if process == 0:
     try:
       lock.acquire()
-    except workdir_lib.WorkdirLockedError as e:
+    except errors.KnownError as e:   # busy (3), or a workdir that cannot be created (2)
       logging.error("%s", e)
-      sys.exit(EXIT_LOCKED)
+      sys.exit(e.exit_code)
   try:
-    log_path = _route_logs(workdir, process)
     if explicit and not _DISTRIBUTED.value:
       logging.info("%s given: running with --distributed", ", ".join(f"--{k}" for k in explicit))
-    sys.exit(_train(config, workdir, log_path, distributed))
+    sys.exit(_train(config, workdir, distributed, process, held,
+                    allow_unmatched=_ALLOW_UNMATCHED.value))
   finally:
     if process == 0:
       lock.release()
 
 
-def _train(config, workdir: str, log_path: str, distributed: bool) -> int:
-  aot.cpu_unless_gpu()   # no CUDA start-up noise where the optional compile plugin sits idle
-  if distributed:
-    if jax.config.jax_platforms == "cpu":
-      jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=_COORDINATOR.value,
-                               num_processes=_NUM_PROCESSES.value, process_id=_PROCESS_ID.value)
-  logging.info("JAX %s on %d %s device(s) in %d process(es); workdir %s (library logs: %s)",
-               jax.__version__, jax.device_count(), jax.default_backend(), jax.process_count(),
-               workdir, log_path)
+def _train(config, workdir: str, distributed: bool, process: int, held: _Held, *,
+           allow_unmatched: bool = False) -> int:
+  """The run; its exit code (module docstring)."""
+  log_path = []
+
+  def start():   # the checks passed: from here on the run writes to its workdir
+    log_path.append(_route_logs(workdir, process, held))
+    logging.info("JAX %s on %d %s device(s) in %d process(es); workdir %s (library logs: %s)",
+                 jax.__version__, jax.device_count(), jax.default_backend(),
+                 jax.process_count(), workdir, log_path[0])
+
   try:
-    final = loop.train_and_evaluate(config, workdir)
-  except preemption.Preempted as e:
-    logging.warning("%s (exit code %d)", e, preemption.EXIT_CODE)
-    return preemption.EXIT_CODE
-  except (loop.NonFiniteError, checkpoint.CheckpointSaveError,
-          checkpoint.NoReadableCheckpointError, checkpoint.CheckpointMismatchError,
-          cusparselt_ops.UnsupportedDevice, cusparselt_library.Unavailable) as e:
-    logging.error("%s", e)
-    return 1
+    aot.cpu_unless_gpu()   # no CUDA start-up noise where the optional compile plugin sits idle
+    if distributed:
+      if jax.config.jax_platforms == "cpu":
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+      jax.distributed.initialize(coordinator_address=_COORDINATOR.value,
+                                 num_processes=_NUM_PROCESSES.value,
+                                 process_id=_PROCESS_ID.value)
+    final = loop.train_and_evaluate(config, workdir, on_start=start,
+                                    allow_unmatched_layers=allow_unmatched)
+  except errors.KnownError as e:
+    log = logging.warning if e.exit_code == errors.EXIT_PREEMPTED else logging.error
+    log("%s (exit code %d)", e, e.exit_code)
+    return e.exit_code
+  except (cusparselt_ops.UnsupportedDevice, cusparselt_library.Unavailable) as e:
+    logging.error("%s (exit code %d)", " ".join(str(e).split()), errors.EXIT_USER)
+    return errors.EXIT_USER
+  except Exception:  # pylint: disable=broad-except
+    if not log_path and os.path.isdir(workdir):
+      start()   # an internal error: its traceback belongs in train.log too
+    logging.exception("internal error (exit code %d): the traceback below is s24jax's or a "
+                      "library's, not a mistake in the command line", errors.EXIT_CRASH)
+    return errors.EXIT_CRASH
+  finally:
+    std_logging.getLogger().removeHandler(held)
   logging.info("done at step %s: train loss %.4f, val loss %.4f (unigram entropy %.3f)",
                final.get("step"), final.get("train/loss", float("nan")),
                final.get("val/loss", float("nan")),
                final.get("data/unigram_entropy", float("nan")))
-  return 0
+  return errors.EXIT_OK
 
 
 if __name__ == "__main__":

@@ -117,14 +117,17 @@ def corpus_overrides(corpus: str, root: str) -> tuple[str, dict]:
   return name, {"data.name": "text_folder", "data.path": os.path.abspath(folder)}
 
 
-def run_config(name: str, variant: str) -> tuple[str, dict]:
+FAMILIES = ("gpt2", "llama")   # experiments/<family>_<recipe>.py
+
+
+def run_config(name: str, variant: str, family: str = "gpt2") -> tuple[str, dict]:
   stem, overrides = RUNS[name]
-  return f"experiments/gpt2_{stem}.py:{variant}", overrides
+  return f"experiments/{family}_{stem}.py:{variant}", overrides
 
 
-def variant_steps(variant: str) -> int:
+def variant_steps(variant: str, family: str = "gpt2") -> int:
   """The variant's own run length (every experiment file keeps it)."""
-  spec, overrides = run_config("dense", variant)
+  spec, overrides = run_config("dense", variant, family)
   return config_files.load_config(os.path.join(ROOT, spec), overrides).total_steps
 
 
@@ -156,8 +159,8 @@ def length_overrides(name: str, steps: int) -> dict:
 
 
 def launch_command(name: str, seed: int, variant: str, data: dict, workdir: str,
-                   steps: int = 0) -> list[str]:
-  spec, overrides = run_config(name, variant)
+                   steps: int = 0, family: str = "gpt2") -> list[str]:
+  spec, overrides = run_config(name, variant, family)
   overrides = {**overrides, **length_overrides(name, steps)}
   flags = [_flag(k, v) for k, v in {**overrides, **data, "seed": seed}.items()]
   return [sys.executable, os.path.join(ROOT, "launch.py"), "--config", spec,
@@ -196,7 +199,8 @@ def run_all(jobs: list[tuple[list[str], str]], parallel: int) -> None:
           f.write(f"{minutes:.2f}\n")
 
 
-def summary(workdir: str, name: str, variant: str, steps: int = 0) -> dict[str, float]:
+def summary(workdir: str, name: str, variant: str, steps: int = 0,
+            family: str = "gpt2") -> dict[str, float]:
   with open(os.path.join(workdir, "final_metrics.json"), encoding="utf-8") as f:
     final = json.load(f)
   out = {"val": final["val/loss"], "mvue_share": final.get("perf/mvue_time_share")}
@@ -204,7 +208,7 @@ def summary(workdir: str, name: str, variant: str, steps: int = 0) -> dict[str, 
   if os.path.exists(wall):
     with open(wall, encoding="utf-8") as f:
       out["minutes"] = float(f.read())
-  spec, overrides = run_config(name, variant)
+  spec, overrides = run_config(name, variant, family)
   cfg = config_files.load_config(spec, {**overrides, **length_overrides(name, steps)})
   start = phases.dense_finetune_start(methods_base.RunFacts.from_config(cfg))
   if start < cfg.total_steps:   # the train-loss jump at the switch to dense fine-tuning
@@ -230,14 +234,16 @@ def paired_gaps(rows: dict, name: str, base: str) -> list[float]:
           if s in rows.get(base, {})]
 
 
-def table(root: str, corpus: str, names, seeds, variant: str, steps: int = 0) -> str:
+def table(root: str, corpus: str, names, seeds, variant: str, steps: int = 0,
+          family: str = "gpt2") -> str:
   """Mean ± sd over the finished seeds of each run (the n column says how many)."""
   needed = list(dict.fromkeys([*names, "dense", *(BASELINE.get(n) or "dense" for n in names),
                                *(ABLATES[n] for n in names if n in ABLATES)]))
-  rows = {n: {s: summary(workdir_of(root, corpus, n, s), n, variant, steps)
+  rows = {n: {s: summary(workdir_of(root, corpus, n, s), n, variant, steps, family)
               for s in seeds if finished(workdir_of(root, corpus, n, s))} for n in needed}
   length = f", {steps} steps" if steps else ""
-  lines = [f"**{corpus}** ({variant}{length})", "",
+  model = variant if family == "gpt2" else f"{family} {variant}"
+  lines = [f"**{corpus}** ({model}{length})", "",
            "| run | n | val loss | gap to baseline (paired by seed) | baseline | "
            "vs the recipe it ablates | jump at dense switch | MVUE time share | "
            "min/run (1 core) |",
@@ -272,7 +278,7 @@ def results_command(args) -> str:
   """The canonical command that prints the tables of these arguments (defaults left out),
   the key of their block in a --results file."""
   parts = ["python experiments/compare_recipes.py --table_only"]
-  for flag, default in (("variant", "small"), ("seeds", "0,1,2"),
+  for flag, default in (("family", "gpt2"), ("variant", "small"), ("seeds", "0,1,2"),
                         ("corpus", "shakespeare,pystdlib"), ("steps", 0), ("only", "")):
     value = getattr(args, flag)
     if value != default:
@@ -305,6 +311,8 @@ def write_results(path: str, command: str, text: str) -> None:
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n", maxsplit=1)[0])
   p.add_argument("--root", default="runs/recipes")
+  p.add_argument("--family", default="gpt2", choices=FAMILIES,
+                 help="the model family: experiments/<family>_<recipe>.py")
   p.add_argument("--variant", default="small")
   p.add_argument("--seeds", default="0,1,2")
   p.add_argument("--corpus", default="shakespeare,pystdlib")
@@ -319,8 +327,9 @@ def main(argv=None) -> None:
                  "file, replacing the block this command generated (docs/results.md)")
   args = p.parse_args(argv)
   # One folder per run length: a finished run of another length is never taken for this one.
-  steps = args.steps or variant_steps(args.variant)
-  run_root = os.path.join(args.root, f"steps{steps}")
+  steps = args.steps or variant_steps(args.variant, args.family)
+  run_root = os.path.join(args.root, *([] if args.family == "gpt2" else [args.family]),
+                          f"steps{steps}")
   seeds = [int(s) for s in args.seeds.split(",")]
   names = args.only.split(",") if args.only else list(RECIPES)
   unknown = sorted(set(names) - set(RUNS))
@@ -341,12 +350,12 @@ def main(argv=None) -> None:
   for seed, label, data, name in order:
     workdir = workdir_of(run_root, label, name, seed)
     if not finished(workdir):
-      jobs.append((launch_command(name, seed, args.variant, data, workdir, steps),
-                   workdir))
+      jobs.append((launch_command(name, seed, args.variant, data, workdir, steps,
+                                  args.family), workdir))
   if not args.table_only:
     run_all(jobs, args.jobs)
-  text = "\n\n".join(table(run_root, label, plan[label], seeds, args.variant, steps)
-                     for label, _ in corpora)
+  text = "\n\n".join(table(run_root, label, plan[label], seeds, args.variant, steps,
+                           args.family) for label, _ in corpora)
   print(text)
   os.makedirs(run_root, exist_ok=True)
   with open(os.path.join(run_root, "table.md"), "w", encoding="utf-8") as f:

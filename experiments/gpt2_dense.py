@@ -9,7 +9,7 @@ sparse. Variants: tiny, 124m (default), 350m, 774m, 1558m.
 from s24jax.config import apply_variant, base_config
 
 
-def get_config(variant=None):
-  config = base_config()
+def get_config(variant=None, family="gpt2"):
+  config = base_config(family)
   config.sparsity.method = "dense"
   return apply_variant(config, variant)

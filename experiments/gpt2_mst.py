@@ -25,16 +25,18 @@ update) and final_metrics.json with the run's training FLOPs against the dense r
 Measured: docs/results.md, "Mixed Sparsity Training" (experiments/compare_mst.py and the 124m FLOP
 plan). 124m: the paper's setting (seq 1024, l=128).
 """
+from s24jax.state import HEADS
 from s24jax.config import CPU_VARIANTS, apply_variant, base_config
 
 CPU_UPDATES_PER_RUN = 24   # topology updates in a CPU run: Delta = total_steps / 24
 
 
-def get_config(variant=None):
-  config = base_config()
+def get_config(variant=None, family="gpt2"):
+  config = base_config(family)
   config.sparsity.method = "mst"
-  # The reference's sparse set: every linear layer and the tied LM head / token embedding.
-  config.sparsity.sparse_layers = ("*/attn/*", "*/mlp/*", "wte")
+  # The reference's sparse set: every linear layer and the LM head (GPT-2's tied token
+  # embedding 'wte', Llama's 'lm_head').
+  config.sparsity.sparse_layers = ("*/attn/*", "*/mlp/*", HEADS[family])
   # Not 'strided' alone (q - k a multiple of l): it hides the l - 1 previous positions, the
   # previous token included; on small the val loss then stalls at a bigram model's through the
   # whole middle half (docs/results.md, "What the papers claim": mst_head_dense_strided).

@@ -13,8 +13,8 @@ about half). Measured: docs/results.md, "Activation sparsity". Variants: tiny, 1
 from s24jax.config import CPU_VARIANTS, apply_variant, base_config
 
 
-def get_config(variant=None):
-  config = base_config()
+def get_config(variant=None, family="gpt2"):
+  config = base_config(family)
   config.model.activation = "relu2"
   config.sparsity.method = "dense"
   config = apply_variant(config, variant)

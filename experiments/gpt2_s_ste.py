@@ -27,8 +27,8 @@ a run must land in: README, "Quick start". The default (no variant) is paper-sca
 from s24jax.config import apply_variant, base_config
 
 
-def get_config(variant=None):
-  config = base_config()
+def get_config(variant=None, family="gpt2"):
+  config = base_config(family)
   config.sparsity.method = "s_ste"
   config.sparsity.s_ste.rescale_every = 0   # beta fixed at init
   config.sparsity.mvue = True               # MVUE 2:4 dY^T for the weight gradient

@@ -13,8 +13,8 @@ from s24jax.config import apply_variant, base_config
 from s24jax.methods import sr_ste
 
 
-def get_config(variant=None):
-  config = base_config()
+def get_config(variant=None, family="gpt2"):
+  config = base_config(family)
   config.sparsity.method = "sr_ste"
   config.sparsity.sr_ste.decay = sr_ste.PAPER_DECAY.get(variant, sr_ste.PAPER_DECAY["124m"])
   config.sparsity.sr_ste.decay_placement = "gradients"

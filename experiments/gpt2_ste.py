@@ -8,7 +8,7 @@ nothing discourages pruned weights from crossing the threshold (what SR-STE fixe
 from s24jax.config import apply_variant, base_config
 
 
-def get_config(variant=None):
-  config = base_config()
+def get_config(variant=None, family="gpt2"):
+  config = base_config(family)
   config.sparsity.method = "ste"
   return apply_variant(config, variant)

@@ -27,8 +27,8 @@ from s24jax.config import CPU_VARIANTS, apply_variant, base_config
 from s24jax.methods import sr_ste
 
 
-def get_config(variant=None):
-  config = base_config()
+def get_config(variant=None, family="gpt2"):
+  config = base_config(family)
   config.sparsity.method = "t_sr_ste"
   config.sparsity.sparse_layers = ("*/mlp/*",)   # FFN sparse, attention dense (the paper)
   config.sparsity.mvue = True

@@ -23,11 +23,11 @@ multiplies with kernels/venom.py (never run natively: no GPU in this project).
 from s24jax.config import CPU_VARIANTS, apply_variant, base_config
 
 
-def get_config(variant=None):
-  config = base_config()
+def get_config(variant=None, family="gpt2"):
+  config = base_config(family)
   config.model.activation = "relu2"
   config.sparsity.method = "s_ste"
-  config.sparsity.sparse_layers = ("*/mlp/fc", "*/mlp/proj")
+  config.sparsity.sparse_layers = ("*/mlp/*",)   # both FFN matrices (fc, proj / up, down)
   config.act_sparsity.kind = "venom"
   config.act_sparsity.v = 64
   config.act_sparsity.n = 2

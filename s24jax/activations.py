@@ -56,6 +56,13 @@ def _gated_act_bwd(kind, h, dy):
 gated_act.defvjp(_gated_act_fwd, _gated_act_bwd)
 
 
+def gated_pair(kind: str, value: jax.Array, gate: jax.Array) -> jax.Array:
+  """value * act(gate) (kind in GATED) from two separate matmul outputs (the Llama-style
+  FFN's up and gate matrices), computed in float32 like `gated_act`; autodiff backward."""
+  act = _gate_fn(kind)(gate.astype(jnp.float32))
+  return (value.astype(jnp.float32) * act).astype(value.dtype)
+
+
 def apply(name: str, h: jax.Array) -> jax.Array:
   if name in GATED:
     return gated_act(name, h)

@@ -40,9 +40,23 @@ GPT2_SIZES = {
     "774m": (36, 20, 1280),
     "1558m": (48, 25, 1600),
 }
+# Llama-style sizes (model.family='llama'): (layers, heads, key/value heads, width). 125m: a
+# GPT-2 124M-sized Llama (grouped-query, SwiGLU 2048); 1b: TinyLlama 1.1B's width, depth and
+# FFN (5632; Zhang et al. 2024; the "Llama 1B" of Haziza et al. 2026 is of this class) with
+# Llama 3.2 1B's 8 key/value heads (TinyLlama's 4 do not divide the 8 devices its state is
+# sharded over, and cuDNN attention's partitioner then fails to compile: docs/scaling.md); 7b:
+# Llama 2 7B's width, depth and FFN (11008) with Llama 3's 8 key/value heads.
+LLAMA_SIZES = {
+    "125m": (12, 12, 4, 768),
+    "1b": (22, 32, 8, 2048),
+    "7b": (32, 32, 8, 4096),
+}
 # CPU variants (apply_variant): 'tiny', the smoke test; 'small', the comparison test bed.
 CPU_VARIANTS = ("tiny", "small")
 VARIANTS = CPU_VARIANTS + tuple(GPT2_SIZES)
+FAMILY_VARIANTS = {"gpt2": VARIANTS, "llama": CPU_VARIANTS + tuple(LLAMA_SIZES)}
+# The paper-scale default variant of each family (a variant of None).
+DEFAULT_VARIANT = {"gpt2": "124m", "llama": "125m"}
 # The embedded corpus (s24jax/data/text_corpus.py builds it) and its held-out share.
 EMBEDDED_CORPUS = "shakespeare"
 DEFAULT_VAL_FRACTION = 0.1
@@ -54,14 +68,18 @@ SMALL_STEPS = 1800
 def data_config() -> ml_collections.ConfigDict:
   """`config.data`. Optional fields are typed placeholders so flags can set them."""
   return ml_collections.ConfigDict({
-      # 'shakespeare', 'text_folder' (or set `path`), or any TFDS text dataset name.
+      # 'shakespeare', 'text_folder' (or set `path`), 'jsonl', 'parquet', 'token_files'
+      # (llm.c / nanoGPT uint16 shards; all three at `path`, detected from it when the name is
+      # left at its default), or any TFDS text dataset name. s24jax/data/sources.py.
       "name": EMBEDDED_CORPUS,
       "tokenizer": "gpt2",  # 'gpt2' (BPE, 50257 ids) or 'bytes' (UTF-8 bytes, 257 ids).
-      "path": config_dict.placeholder(str),  # Folder of .txt files, one document per file.
+      # Folder of .txt files (one document per file), of .jsonl / .parquet files (one document
+      # per record), or of .bin token files (or one such file).
+      "path": config_dict.placeholder(str),
       "cache_dir": config_dict.placeholder(str),  # Default: $S24JAX_CACHE or ~/.cache/s24jax.
       "tfds_data_dir": config_dict.placeholder(str),  # Default: TFDS's own ($TFDS_DATA_DIR...).
       "val_fraction": DEFAULT_VAL_FRACTION,  # Share of documents held out.
-      "text_key": "text",  # Feature holding the text in TFDS datasets.
+      "text_key": "text",  # Feature (TFDS) or column / field (jsonl, parquet) of the text.
       "max_docs": config_dict.placeholder(int),  # Cap on documents per split (quick tests).
   })
 
@@ -74,8 +92,9 @@ def dataclass_block(cls, exclude=(), **values) -> ml_collections.ConfigDict:
                                     for f in dataclasses.fields(cls) if f.name not in exclude})
 
 
-def base_config() -> ml_collections.ConfigDict:
-  """GPT-2 124M with the Hu et al. 2024 recipe's optimizer and batch, dense, embedded corpus."""
+def base_config(family: str = "gpt2") -> ml_collections.ConfigDict:
+  """GPT-2 124M with the Hu et al. 2024 recipe's optimizer and batch, dense, embedded corpus;
+  family='llama': the Llama-style model of that size instead (its defaults below)."""
   c = ml_collections.ConfigDict()
   c.seed = 0
   c.total_steps = 300_000
@@ -89,6 +108,12 @@ def base_config() -> ml_collections.ConfigDict:
 
   # The model (model.ModelConfig's fields: GPT-2 124M).
   c.model = dataclass_block(model_lib.ModelConfig, exclude=model_lib.MODEL_BLOCK_EXCLUDE)
+  if family not in FAMILY_VARIANTS:
+    raise ValueError(f"unknown model family {family!r}; valid: {', '.join(FAMILY_VARIANTS)}")
+  if family == "llama":   # SwiGLU, grouped-query attention at the 125m size
+    c.model.family, c.model.activation = "llama", "swiglu"
+    c.model.num_layers, c.model.num_heads, c.model.num_kv_heads, c.model.d_model = (
+        LLAMA_SIZES["125m"])
 
   # What is sparse and how (sparse_linear.SparsityConfig's fields), the method by name
   # (registry.available_methods()), and each method's hyper-parameters as its own block.
@@ -115,6 +140,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.optim.grad_clip = 1.0         # global norm; 0 = off
 
   c.data = data_config()
+  # A local Hugging Face GPT2LMHeadModel directory (config.json, model.safetensors and the
+  # tokenizer files; s24jax.export writes one) to start a new run from: its weights replace
+  # the fresh ones at step 0 (the tokenizer must be the run's). s24jax/export.py.
+  c.init_from = config_dict.placeholder(str)
 
   c.eval_every = 1000
   c.eval_batches = 20
@@ -136,9 +165,13 @@ def apply_variant(c: ml_collections.ConfigDict, variant: str | None) -> ml_colle
   'small'  the CPU test bed of the recipe comparisons (`_small`): 4 layers of width 128 on
            UTF-8 bytes, the FFN most of the FLOPs, SMALL_STEPS steps.
   """
-  variant = variant or "124m"
-  if variant not in VARIANTS:
-    raise ValueError(f"unknown config variant {variant!r}; valid: {', '.join(VARIANTS)}")
+  family = c.model.family
+  variant = variant or DEFAULT_VARIANT[family]
+  if variant not in FAMILY_VARIANTS[family]:
+    raise ValueError(f"unknown config variant {variant!r} for model.family={family!r}; "
+                     f"valid: {', '.join(FAMILY_VARIANTS[family])}")
+  if family == "llama":
+    return _llama(c, variant)
   if variant in GPT2_SIZES:
     c.model.num_layers, c.model.num_heads, c.model.d_model = GPT2_SIZES[variant]
     # The paper's global batch (512 x 1024 tokens) on 8 GPUs: micro-batches of 64 sequences
@@ -155,6 +188,11 @@ def apply_variant(c: ml_collections.ConfigDict, variant: str | None) -> ml_colle
     return c
   if variant == "small":
     return _small(c)
+  return apply_variant_tiny(c)
+
+
+def apply_variant_tiny(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """'tiny' (apply_variant)."""
   c.total_steps = 600
   c.batch_size = 16
   c.model.seq_len = 64
@@ -167,6 +205,31 @@ def apply_variant(c: ml_collections.ConfigDict, variant: str | None) -> ml_colle
   c.eval_batches = 8
   c.log_every = 10
   c.checkpoint_every = 100
+  return c
+
+
+def _llama(c: ml_collections.ConfigDict, variant: str) -> ml_collections.ConfigDict:
+  """The Llama-style variants: the CPU ones as GPT-2's with 2 key/value heads and the FFN
+  rounded to a multiple of 32 ('small': SwiGLU 352 on width 128, the FFN 64 % of the training
+  FLOPs), or a paper-scale size (LLAMA_SIZES) with the memory settings of 8 GPUs: 125m at
+  GPT-2's batch (512 x 1024 tokens), 1b and 7b at 2048 tokens per sequence, 256 sequences
+  per step (the same tokens), their state sharded over every device."""
+  if variant in CPU_VARIANTS:
+    c = _small(c) if variant == "small" else apply_variant_tiny(c)
+    c.model.num_kv_heads = 2
+    c.model.ffn_multiple_of = 32
+    return c
+  c.model.num_layers, c.model.num_heads, c.model.num_kv_heads, c.model.d_model = (
+      LLAMA_SIZES[variant])
+  c.grad_accum_steps = 8
+  c.model.scan_layers = True
+  c.model.remat = "save_dots"
+  c.model.loss_chunk = 2048
+  if variant != "125m":
+    c.model.seq_len = 2048
+    c.batch_size = 256
+    c.grad_accum_steps = 4
+    c.mesh.fsdp, c.mesh.data = -1, 1
   return c
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import ast
 import difflib
 import importlib.util
+import os
 from typing import Any, Iterable, Mapping
 
 import ml_collections
@@ -54,6 +55,18 @@ def load_config(spec: str, overrides: Mapping[str, Any] | None = None, *,
   apply_overrides(config, overrides or {})
   apply_overrides(config, parse_overrides(config, args))
   return config
+
+
+def sibling_config(file: str, name: str, variant: str | None = None, **kwargs
+                   ) -> ml_collections.ConfigDict:
+  """`get_config(variant, **kwargs)` of the experiment file `name`.py in `file`'s folder: a
+  recipe written once and run with other arguments (experiments/llama_*.py run the GPT-2
+  recipes with family='llama')."""
+  path = os.path.join(os.path.dirname(os.path.abspath(file)), f"{name}.py")
+  mod_spec = importlib.util.spec_from_file_location(f"_s24jax_config_{name}", path)
+  module = importlib.util.module_from_spec(mod_spec)
+  mod_spec.loader.exec_module(module)
+  return module.get_config(variant, **kwargs)
 
 
 def split_override(item: str) -> tuple[str, str]:

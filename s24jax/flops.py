@@ -33,13 +33,12 @@ s24jax/config_files.py.
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from typing import Any, Mapping
 
 from s24jax import attention_masks
-from s24jax import config_files
 from s24jax import phases
-from s24jax import state as state_lib
 from s24jax.methods import base as methods_base
 from s24jax.run_spec import RunSpec
 
@@ -72,19 +71,23 @@ def attention_flops(model_cfg, attention: str, *, batch_size: int, seq_len: int)
 def step_flops(model_cfg, shapes: Mapping[str, tuple[int, int]], nnz: Mapping[str, int], *,
                batch_size: int, seq_len: int, attention: str,
                dense_weight_gradient: bool = False) -> StepFlops:
-  """FLOPs of one training step. `nnz` maps kernel names, and "wte" (state.HEAD) for a sparse
-  tied head, to their active count (the others are dense); `dense_weight_gradient`: the step computes the
-  sparse layers' weight gradient densely (an MST topology update)."""
-  unknown = set(nnz) - set(shapes) - {state_lib.HEAD}
+  """FLOPs of one training step. `nnz` maps kernel names, and the LM head's name
+  (`model_cfg.head_name`: GPT-2's tied 'wte', Llama's 'lm_head') for a sparse head, to their
+  active count (the others are dense); `dense_weight_gradient`: the step computes the sparse
+  layers' weight gradient densely (an MST topology update). A head among `shapes` (Llama's
+  untied kernel) counts as the head, not as a linear layer."""
+  head_name = model_cfg.head_name
+  shapes = {k: v for k, v in shapes.items() if k != head_name}
+  unknown = set(nnz) - set(shapes) - {head_name}
   if unknown:
     raise ValueError(f"nnz given for unknown linear layers {sorted(unknown)}; the model's are "
-                     f"{sorted(shapes)} (and {state_lib.HEAD!r}, the tied head)")
+                     f"{sorted(shapes)} (and {head_name!r}, the LM head)")
   tokens = batch_size * seq_len
   active = sum(int(nnz.get(k, o * i)) for k, (o, i) in shapes.items())
   size = sum(o * i for o, i in shapes.values())
   att = attention_flops(model_cfg, attention, batch_size=batch_size, seq_len=seq_len)
   vc = model_cfg.vocab_size * model_cfg.d_model
-  head_active = int(nnz.get(state_lib.HEAD, vc))
+  head_active = int(nnz.get(head_name, vc))
   extra_linear = extra_head = 0.0
   if dense_weight_gradient:
     extra_linear = 2.0 * (size - active) * tokens
@@ -147,6 +150,18 @@ class Accountant:
             "flops/fraction_of_dense": self.total.total / dense if dense else float("nan")}
 
 
+def sparse_gemm_share(spec) -> float:
+  """The share of a dense training step's FLOPs (the model's, causal attention) in the GEMMs
+  of the run's sparse layers: what 2:4 GEMMs can speed up, at most, for this model and
+  `sparsity.sparse_layers` (the rest: the other linear layers, attention, a dense head)."""
+  cfg = spec.model_cfg
+  batch, seq = spec.config.batch_size, cfg.seq_len
+  step = step_flops(cfg, spec.kernel_shapes, {}, batch_size=batch, seq_len=seq,
+                    attention="causal")
+  sparse = sum(6.0 * math.prod(shape) * batch * seq for shape in spec.sparse_shapes.values())
+  return sparse / step.total
+
+
 def summary(acct: Accountant) -> dict[str, float]:
   """Totals by part and the reduction factor dense / run (the '4x fewer FLOPs' number), also
   without the lm head (dense unless 'wte' is a sparse layer, as in MST's reference set)."""
@@ -183,14 +198,24 @@ def planned(spec: RunSpec, upto: int | None = None) -> Accountant:
 
 
 def _main(argv) -> None:
-  if len(argv) < 2 or argv[1] in ("-h", "--help"):
-    raise SystemExit("usage: python -m s24jax.flops experiments/X.py[:variant] "
-                     "[path.to.field=value ...]  (values: s24jax/config_files.py)")
+  """`python -m s24jax.flops CONFIG [path.to.field=value ...]`: exit 0, or 2 with one line
+  for a user error (s24jax/errors.py)."""
+  # pylint: disable=g-import-not-at-top   (the command line's checks; the library needs none)
+  from s24jax import errors, validate
+  usage = ("usage: python -m s24jax.flops experiments/X.py[:variant] "
+           "[path.to.field=value ...]  (values: s24jax/config_files.py)")
+  if len(argv) > 1 and argv[1] in ("-h", "--help"):
+    print(usage)
+    raise SystemExit(errors.EXIT_OK)
   try:
-    config = config_files.load_config(argv[1], args=argv[2:])
-  except config_files.OverrideError as e:
-    raise SystemExit(f"s24jax.flops: {e}") from None
-  s = summary(planned(RunSpec.build(config)))
+    if len(argv) < 2:
+      raise errors.UserError(f"no config file given; {usage}")
+    config = validate.load_config(argv[1], args=argv[2:])
+    spec = validate.check_config(config)
+  except errors.UserError as e:
+    print(f"s24jax.flops: {e}", file=sys.stderr)
+    raise SystemExit(e.exit_code) from None
+  s = summary(planned(spec))
   for k, v in s.items():
     print(f"{k:26s} {v:.4g}")
 

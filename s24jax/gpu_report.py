@@ -205,7 +205,7 @@ def step_seconds(path: str, variant: str, backend: str, steps: int, overrides=()
                                  f"batch_size={micro}", "grad_accum_steps=1",
                                  "model.dtype=bfloat16"])
   spec = run_spec.RunSpec.build(config)
-  model = model_lib.GPT2(spec.model_cfg)
+  model = model_lib.build(spec.model_cfg)
   state = jax.jit(lambda: spec.fresh_state(0))()
   tx = spec.tx(state.params, state.sparsity)
   rng = np.random.default_rng(0)

@@ -1,8 +1,9 @@
 """`train_and_evaluate(config, workdir)`: the training loop, a few lines around chores.
 
-Set-up (`Run.create`) builds the run once (`RunSpec`: the method, the model config, the
-facts, the state's shapes), the data and the state (restored from the workdir if it holds a
-checkpoint). The loop then, for every step: decides what the step is (`StepInfo`: its index,
+Set-up: the whole run is checked before anything is written (s24jax/validate.py), which
+builds it once (`RunSpec`: the method, the model config, the facts, the state's shapes) and
+its data; `Run.create` makes the state (restored from the newest readable checkpoint, step 0
+included). The loop then, for every step: decides what the step is (`StepInfo`: its index,
 whether it is logged), picks the step's model (the method's phases: dense fine-tuning,
 attention windows; one compiled step per distinct model), runs the due "before" chores, the
 jitted train step, and the due "after" chores: log, eval, checkpoint, FLOP accounting,
@@ -14,19 +15,19 @@ import contextlib
 import dataclasses
 import json
 import os
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import ml_collections
 import numpy as np
 from absl import logging
 from tqdm import tqdm
-from jax.experimental import multihost_utils
 
 from s24jax import checkpoint as ckpt_lib
 from s24jax.data import batches
-from s24jax.data import cache
 from s24jax import chores as chores_lib
+from s24jax import errors
+from s24jax import export
 from s24jax import flops as flops_lib
 from s24jax import measure
 from s24jax import phases
@@ -37,14 +38,16 @@ from s24jax import schedules
 from s24jax import sharding
 from s24jax import state as state_lib
 from s24jax import train
+from s24jax import validate
 from s24jax import workdir as workdir_lib
 from s24jax.methods import base as methods_base
 from s24jax.run_spec import RunSpec
 from s24jax.step_info import StepInfo
 
 
-class NonFiniteError(RuntimeError):
+class NonFiniteError(errors.KnownError, RuntimeError):
   """Training produced a non-finite loss or gradient norm; nothing non-finite was saved."""
+  exit_code = errors.EXIT_NON_FINITE
 
 
 def shard_batch(batch: dict[str, np.ndarray], partitioner: sharding.Partitioner
@@ -52,22 +55,6 @@ def shard_batch(batch: dict[str, np.ndarray], partitioner: sharding.Partitioner
   """This process's rows of the global batch -> global arrays split over the mesh."""
   return {k: jax.make_array_from_process_local_data(partitioner.batch, v)
           for k, v in batch.items()}
-
-
-def load_tokens(config) -> cache.TokenData:
-  """The token streams; with several processes, process 0 prepares the cache while the
-  others wait at a barrier (so they never race to write it)."""
-  if jax.process_count() > 1:
-    if jax.process_index() == 0:
-      cache.load_tokens(config.data)
-    multihost_utils.sync_global_devices("s24jax: token cache prepared")
-  data = cache.load_tokens(config.data)
-  if data.vocab_size > config.model.vocab_size:
-    raise ValueError(
-        f"config.data.tokenizer={config.data.get('tokenizer', 'gpt2')!r} has {data.vocab_size} "
-        f"token ids but config.model.vocab_size is {config.model.vocab_size}; set "
-        f"config.model.vocab_size >= {data.vocab_size}")
-  return data
 
 
 def local_batch(tokens, config, step: int) -> dict[str, np.ndarray]:
@@ -85,16 +72,6 @@ def evaluate(params, sparsity, model, val_batches, partitioner) -> float:
     m = train.eval_step(params, sparsity, shard_batch(b, partitioner), model=model)
     loss, count = loss + float(m["loss"]), count + float(m["count"])
   return loss / max(count, 1.0)
-
-
-def check_batch(config, num_devices: int) -> None:
-  """The batch splits into `grad_accum_steps` micro-batches, each split over the devices."""
-  b, k = int(config.batch_size), int(config.grad_accum_steps)
-  if k < 1 or b % k:
-    raise ValueError(f"grad_accum_steps={k} must be >= 1 and divide batch_size={b}")
-  if (b // k) % num_devices:
-    raise ValueError(f"the micro-batch (batch_size / grad_accum_steps = {b // k} sequences) "
-                     f"is not divisible by the {num_devices} devices")
 
 
 @dataclasses.dataclass
@@ -142,9 +119,9 @@ class Run:
     return self.facts.total_steps
 
   @property
-  def model(self) -> model_lib.GPT2:
+  def model(self):
     """The step's model, one instance per distinct config (so the jit cache is reused)."""
-    return self._models.setdefault(self.model_cfg, model_lib.GPT2(self.model_cfg))
+    return self._models.setdefault(self.model_cfg, model_lib.build(self.model_cfg))
 
   @property
   def metrics_path(self) -> str:
@@ -167,21 +144,26 @@ class Run:
       self.model_cfg = new
 
   @classmethod
-  def create(cls, config: ml_collections.ConfigDict, workdir: str) -> "Run":
-    os.makedirs(workdir, exist_ok=True)
-    partitioner = sharding.Partitioner(sharding.make_mesh(config.mesh))
-    check_batch(config, jax.device_count())
-    spec = RunSpec.build(config)
+  def create(cls, config: ml_collections.ConfigDict, workdir: str, checked: validate.Checked):
+    """The run of a checked config (`validate.check_run`): the first writes to the workdir."""
+    spec = checked.spec
+    partitioner = sharding.Partitioner(checked.mesh)
     fresh = jax.jit(spec.fresh_state,
                     out_shardings=partitioner.state_shardings(spec.abstract_state))()
+    os.makedirs(workdir, exist_ok=True)
     ckpt = ckpt_lib.Checkpointer(workdir, keep=config.keep_checkpoints)
     state = ckpt.restore_or_init(fresh)
+    if ckpt.latest_step() is None and config.get("init_from"):   # a new run: start from there
+      state = export.init_from_hf(spec, state, config.init_from,
+                                  shardings=partitioner.state_shardings(spec.abstract_state))
     step = int(state.step)
+    if step == 0 and jax.process_index() == 0:
+      workdir_lib.supersede_metrics(workdir)   # what an attempt before its first checkpoint logged
     # The model the last step (index step - 1) trained, so that resuming into a new phase
     # enters it.
     current = phases.model_at(step - 1, spec.model_cfg, spec.facts) if step else spec.model_cfg
     run = cls(spec=spec, workdir=workdir, partitioner=partitioner,
-              data=load_tokens(config), model_cfg=current,
+              data=checked.data, model_cfg=current,
               tx=spec.tx(fresh.params, fresh.sparsity), state=state, ckpt=ckpt,
               writer=metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0,
                                               resume_step=step),
@@ -191,17 +173,22 @@ class Run:
     return run
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
+                       allow_unmatched_layers: bool = False,
+                       on_start: Callable[[], None] | None = None) -> dict[str, float]:
   """Trains per `config`, resuming from `workdir` if it holds a checkpoint. Returns finals.
-
-  Holds the workdir's lock throughout (workdir.WorkdirLockedError if another run has it).
-  A SIGTERM or SIGINT stops it after the step in flight, with that step's checkpoint saved
-  (preemption.Preempted)."""
+  Holds the workdir's lock, checks the whole run before writing anything (validate.py;
+  `allow_unmatched_layers`: unmatched sparse-layer patterns only warn), then calls
+  `on_start()` (launch.py opens train.log there). SIGTERM / SIGINT stop it after the step in
+  flight, its checkpoint saved (preemption.Preempted)."""
   primary = jax.process_index() == 0
   lock = workdir_lib.WorkdirLock(workdir) if primary else contextlib.nullcontext()
   with lock, preemption.Guard() as guard:
-    workdir_lib.check_resumable(workdir)
-    run = Run.create(config, workdir)
+    with guard.at_once():   # a signal during the checks stops at once: nothing written yet
+      checked = validate.check_run(config, workdir, allow_unmatched_layers=allow_unmatched_layers)
+    if on_start is not None:
+      on_start()
+    run = Run.create(config, workdir, checked)
     final_path = os.path.join(workdir, "final_metrics.json")
     if run.step >= run.total and os.path.exists(final_path):
       logging.info("%s already trained to step %d; nothing to do", workdir, run.step)
@@ -213,7 +200,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     chores = standard_chores(run)
     bar = tqdm(total=run.total, initial=run.step, dynamic_ncols=True, mininterval=1.0,
                disable=not primary)
-    try:
+    in_flight = None   # the metrics of the step before the one just dispatched
+    with _closing(run, bar):
       while run.step < run.total and run.step != config.stop_at_step:
         run.info = StepInfo.at(run.step, log_every=config.log_every, total=run.total)
         run.set_model(run.step)
@@ -227,16 +215,19 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         chores_lib.run_chores(run, chores, before_step=False)
         bar.set_postfix(run.postfix, refresh=False)
         bar.update(1)
+        # At most two steps queued on the device (this one runs while the next is prepared),
+        # so a signal stops the run within a step or two at any log_every.
+        jax.block_until_ready(in_flight)
+        in_flight = metrics
+        run.ckpt.poll()   # a failed save (a full disk) stops the run now, not at the next one
         if run.step < run.total and guard.should_stop(run.step):
           save_and_stop(run, guard)
-    finally:   # also after an error: finish writing the good checkpoints and the logs
-      bar.close()
-      _close(run)
   if run.step == config.stop_at_step:
     logging.warning("stop_at_step=%d reached: leaving without a final checkpoint", run.step)
   elif primary:
-    with open(final_path, "w", encoding="utf-8") as f:
-      json.dump({k: float(v) for k, v in run.final.items() if v is not None}, f, indent=2)
+    with _closing(run):
+      with open(final_path, "w", encoding="utf-8") as f:
+        json.dump({k: float(v) for k, v in run.final.items() if v is not None}, f, indent=2)
   return run.final
 
 
@@ -245,6 +236,31 @@ def _close(run: "Run") -> None:
     run.ckpt.close()
   finally:
     run.writer.close()
+
+
+@contextlib.contextmanager
+def _closing(run: "Run", bar: Any = None):
+  """Closes the bar, the checkpointer and the writers (if a bar is given) however the block
+  ends: the error that stopped the run is raised, not a failure to close after it (logged);
+  a full disk met by the run's own writes stops it as a failed save does."""
+  error = None
+  try:
+    yield
+  except BaseException as e:   # pylint: disable=broad-except
+    error = e
+  if bar is not None:
+    bar.close()
+    try:
+      _close(run)
+    except Exception as e:   # pylint: disable=broad-except
+      if error is not None:
+        logging.warning("closing the checkpoints and logs after %s failed too: %s",
+                        type(error).__name__, e)
+      error = error or e
+  if isinstance(error, OSError) and error.errno in ckpt_lib.DISK_FULL:
+    raise run.ckpt.disk_full(error) from error
+  if error is not None:
+    raise error
 
 
 def save_and_stop(run: "Run", guard: preemption.Guard) -> None:
@@ -281,7 +297,9 @@ def standard_chores(run: Run) -> list[chores_lib.Chore]:
   if run.step == 0:
     # The initial state is a checkpoint too: a run that diverges early still leaves a finite
     # state to restart from (NonFiniteError never saves and never rotates a good one out).
-    run.ckpt.save(0, run.state, force=True)
+    # Not again when it was restored from it (a stop before the first periodic checkpoint).
+    if run.ckpt.latest_step() is None:
+      run.ckpt.save(0, run.state, force=True)
     run.write(0, {"data/unigram_entropy": unigram, "model/params": model_lib.num_params(
         run.state.params), "model/sparse_weights": state_lib.num_sparse_weights(
             run.state.params, run.state.sparsity)})

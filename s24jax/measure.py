@@ -38,7 +38,7 @@ def mvue_cost_chores(config) -> list[chores_lib.Chore]:
       return
     fn = jax.jit(train.loss_and_grads, static_argnames=("model", "accum_steps"))
     args = (run.state.params, run.state.sparsity, run.batch, jax.random.key(0))
-    models = {mvue: model_lib.GPT2(dataclasses.replace(
+    models = {mvue: model_lib.build(dataclasses.replace(
         run.model_cfg, sparsity=dataclasses.replace(run.model_cfg.sparsity, mvue=mvue)))
               for mvue in (True, False)}
     accum = int(config.grad_accum_steps)

@@ -1,50 +1,61 @@
-"""GPT-2 in flax.linen: pre-LN blocks, learned positions, tied embeddings; its frozen config.
+"""The frozen model config of both families, GPT-2 in flax.linen (pre-LN blocks, learned
+positions, tied embeddings), and `build`, the model of a config.
 
-All linear layers are `SparseLinear`; the FFN's are 2:4 sparse by default
-(`SparsityConfig.sparse_layers`). Parameters are float32; `ModelConfig.dtype` is the
-compute dtype. `ModelConfig`'s fields (but `sparsity` and `act`) are the config block
-`config.model`, generated from here (s24jax/config.py): each default and its comment live on
-the field, once.
+`model.family` picks the architecture: 'gpt2' (here) or 'llama' (s24jax/llama.py: RMSNorm,
+rotary positions, no biases, untied embeddings, grouped-query attention, a SwiGLU FFN of
+three matrices); both are made of the same sparse layers and shared pieces
+(s24jax/layers.py), and no method knows which family it trains. All linear layers are
+`SparseLinear`; the FFN's are 2:4 sparse by default (`SparsityConfig.sparse_layers`).
+Parameters are float32; `ModelConfig.dtype` is the compute dtype. `ModelConfig`'s fields
+(but `sparsity` and `act`) are the config block `config.model`, generated from here
+(s24jax/config.py): each default and its comment live on the field, once.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
 
-from s24jax import act_sparsity
 from s24jax import activations
 from s24jax import attention_masks
+from s24jax import layers
+from s24jax import llama
 from s24jax import losses
+from s24jax import state as state_lib
 from s24jax.methods import base as methods_base
 from s24jax.methods import registry
 from s24jax.act_sparsity import ActSparsityConfig
+from s24jax.layers import compute_dtype
 from s24jax.sparse_linear import SparseEmbed, SparseLinear, SparsityConfig
 
+FAMILIES = ("gpt2", "llama")
 ACTIVATIONS = ("gelu", "relu", "relu2", "geglu", "swiglu")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
-# Rematerialisation of each block's activations in the backward pass (jax.checkpoint):
-# 'save_dots' keeps the outputs of the weight matmuls and recomputes the rest (attention
-# softmax, activations, norms); 'full' keeps only the block input.
-REMAT_POLICIES = {"none": None, "full": None,
-                  "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """GPT-2 hyper-parameters and what is sparse (frozen: the model closes over it). The
+  """The model's hyper-parameters and what is sparse (frozen: the model closes over it). The
   defaults are GPT-2 124M, dense."""
+  family: str = "gpt2"        # FAMILIES: 'gpt2' or 'llama' (s24jax/llama.py)
   vocab_size: int = 50304     # GPT-2's 50257 padded to a multiple of 64
   seq_len: int = 1024
   num_layers: int = 12
   num_heads: int = 12
   d_model: int = 768
-  mlp_ratio: float = 4.0      # FFN hidden size = mlp_ratio * d_model
+  # gpt2: FFN hidden size = mlp_ratio * d_model. llama: Llama's rule, 2/3 of mlp_ratio *
+  # d_model (8/3 d) rounded up to a multiple of ffn_multiple_of (7B: 11008).
+  mlp_ratio: float = 4.0
+  ffn_multiple_of: int = 256
   activation: str = "gelu"    # ACTIVATIONS: gelu, relu, relu2, geglu, swiglu
+  # llama only: the key/value heads of grouped-query attention (0: num_heads), the rotary
+  # embedding's base, and RMSNorm's epsilon.
+  num_kv_heads: int = 0
+  rope_base: float = 10000.0
+  norm_eps: float = 1e-5
   # The compute dtype ('float32', 'bfloat16', ...); parameters stay float32. 'auto':
   # bfloat16 on GPU/TPU, float32 on CPU (compute_dtype).
   dtype: str = "auto"
@@ -66,9 +77,25 @@ class ModelConfig:
 
   @property
   def mlp_hidden(self) -> int:
+    if self.family == "llama":
+      hidden = int(2 * self.mlp_ratio * self.d_model / 3)
+      return self.ffn_multiple_of * -(-hidden // self.ffn_multiple_of)
     return int(self.mlp_ratio * self.d_model)
 
+  @property
+  def kv_heads(self) -> int:
+    return self.num_kv_heads or self.num_heads
+
+  @property
+  def head_name(self) -> str:
+    """The LM head's module name: GPT-2's tied embedding 'wte', Llama's untied 'lm_head'."""
+    return state_lib.HEADS[self.family]
+
   def __post_init__(self):
+    if self.family not in FAMILIES:
+      raise ValueError(f"unknown model.family {self.family!r}; valid: {', '.join(FAMILIES)}")
+    if self.family == "llama":
+      llama.check_config(self)
     if self.activation not in ACTIVATIONS:
       raise ValueError(f"unknown model.activation {self.activation!r}; valid: "
                        f"{', '.join(ACTIVATIONS)}")
@@ -82,8 +109,9 @@ class ModelConfig:
     if self.attention_impl == "cudnn" and self.attention != "causal":
       raise ValueError(f"model.attention_impl='cudnn' supports causal attention only; the "
                        f"{self.attention!r} pattern needs 'xla' (or 'auto')")
-    if self.remat not in REMAT_POLICIES:
-      raise ValueError(f"unknown model.remat {self.remat!r}; valid: {', '.join(REMAT_POLICIES)}")
+    if self.remat not in layers.REMAT_POLICIES:
+      raise ValueError(f"unknown model.remat {self.remat!r}; valid: "
+                       f"{', '.join(layers.REMAT_POLICIES)}")
     if self.loss_chunk < 0:
       raise ValueError(f"model.loss_chunk must be >= 0 (0: plain loss), got {self.loss_chunk}")
     if self.d_model % self.num_heads:
@@ -129,29 +157,6 @@ def model_config(config: ml_collections.ConfigDict,
                          ActSparsityConfig, config.act_sparsity)))
 
 
-def compute_dtype(name: str) -> jnp.dtype:
-  """'auto' is bfloat16 on accelerators and float32 on CPU (no fast bf16 matmul there)."""
-  if name == "auto":
-    return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
-  return jnp.dtype(name)
-
-
-def _residual_projection(cfg: ModelConfig, features: int, name: str, **kwargs) -> SparseLinear:
-  """The linear layer writing into the residual stream, initialised with std
-  0.02 / sqrt(2 L) (GPT-2: the residual sum over 2 L layers keeps its scale)."""
-  return SparseLinear(features, cfg.sparsity, dtype=compute_dtype(cfg.dtype),
-                      kernel_init=nn.initializers.normal(0.02 / math.sqrt(2 * cfg.num_layers)),
-                      name=name, **kwargs)
-
-
-def attention_implementation(cfg: ModelConfig) -> str:
-  """'cudnn' or 'xla' for jax.nn.dot_product_attention. 'auto' asks the backend, which is
-  the CPU while compiling devicelessly for a GPU: the planner sets 'cudnn' explicitly."""
-  if cfg.attention_impl != "auto":
-    return cfg.attention_impl
-  return "cudnn" if cfg.attention == "causal" and jax.default_backend() == "gpu" else "xla"
-
-
 class CausalSelfAttention(nn.Module):
   config: ModelConfig
 
@@ -165,13 +170,8 @@ class CausalSelfAttention(nn.Module):
     qkv = SparseLinear(3 * C, cfg.sparsity, dtype=dtype, name="qkv")(x)       # (B, T, 3C)
     q, k, v = jnp.split(qkv.reshape(B, T, 3, nh, hd), 3, axis=2)             # (B, T, 1, nh, hd)
     q, k, v = (a.squeeze(2) for a in (q, k, v))                               # (B, T, nh, hd)
-    if cfg.attention == "causal":
-      y = jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                       implementation=attention_implementation(cfg))  # (B, T, nh, hd)
-    else:   # Hybrid Sparse Attention (MST): the pattern already includes causality
-      mask = attention_masks.attention_mask(cfg.attention, T, cfg.attention_stride)  # (T, T)
-      y = jax.nn.dot_product_attention(q, k, v, mask=mask[None, None])       # (B, T, nh, hd)
-    return _residual_projection(cfg, C, "out")(y.reshape(B, T, C))          # (B, T, C)
+    y = layers.attend(cfg, q, k, v)                                           # (B, T, nh, hd)
+    return layers.residual_projection(cfg, C, "out")(y.reshape(B, T, C))    # (B, T, C)
 
 
 class MLP(nn.Module):
@@ -187,19 +187,8 @@ class MLP(nn.Module):
     gated = cfg.activation in activations.GATED
     h = SparseLinear((2 if gated else 1) * H, cfg.sparsity, dtype=dtype, name="fc")(x)  # (B, T, H|2H)
     h = activations.apply(cfg.activation, h)                                  # (B, T, H)
-    act = cfg.act
-    mask, matmul = None, None
-    if act.enabled:   # Haziza et al.: V:N:M activations into the 2nd matmul
-      h_sparse, mask, meta = act_sparsity.sparsify(h, act.v, act.n, act.m, backend=act.backend)
-      matmul = act_sparsity.act_matmul(meta, act.v, act.backend)
-    if self.is_mutable_collection("intermediates") and not self.is_initializing():
-      # Only in act_sparsity.activation_stats' forward pass; train/eval steps skip this.
-      stats = act_sparsity.activation_sparsity_stats(h, act.v, act.n, act.m, mask)
-      for name, value in stats.items():
-        self.sow("intermediates", f"act_{name}", value)
-    if mask is not None:
-      h = h_sparse                                                            # (B, T, H)
-    return _residual_projection(cfg, C, "proj", matmul=matmul)(h)           # (B, T, C)
+    h, matmul = layers.sparse_activations(self, cfg, h)   # Haziza et al.: V:N:M into proj
+    return layers.residual_projection(cfg, C, "proj", matmul=matmul)(h)     # (B, T, C)
 
 
 class Block(nn.Module):
@@ -211,31 +200,6 @@ class Block(nn.Module):
     x = x + CausalSelfAttention(self.config, name="attn")(nn.LayerNorm(dtype=dtype, name="ln_1")(x))
     x = x + MLP(self.config, name="mlp")(nn.LayerNorm(dtype=dtype, name="ln_2")(x))
     return x                                                                  # (B, T, C)
-
-
-class ScannedBlock(Block):
-  """A Block with the (carry, x) -> (carry, y) signature of nn.scan."""
-
-  def __call__(self, x: jax.Array, _) -> tuple[jax.Array, None]:   # pylint: disable=arguments-differ
-    return super().__call__(x), None
-
-
-def blocks(cfg: ModelConfig, x: jax.Array) -> jax.Array:
-  """The L blocks: unrolled ('h_0' ... 'h_{L-1}') or one nn.scan ('h', stacked)."""
-  policy = REMAT_POLICIES[cfg.remat]
-  if not cfg.scan_layers:
-    block = Block if cfg.remat == "none" else nn.remat(Block, policy=policy)
-    for i in range(cfg.num_layers):
-      x = block(cfg, name=f"h_{i}")(x)
-    return x
-  block = ScannedBlock if cfg.remat == "none" else nn.remat(ScannedBlock, policy=policy,
-                                                             prevent_cse=False)
-  scanned = nn.scan(block, length=cfg.num_layers,
-                    variable_axes={"params": 0, "sparsity": 0, "prepared": 0,
-                                   "intermediates": 0},
-                    split_rngs={"params": True, "mvue": True})
-  x, _ = scanned(cfg, name="h")(x, None)
-  return x
 
 
 class GPT2(nn.Module):
@@ -256,7 +220,7 @@ class GPT2(nn.Module):
                       embedding_init=nn.initializers.normal(0.02), dtype=dtype, name="wte")
     wpe = self.param("wpe", nn.initializers.normal(0.01), (cfg.seq_len, cfg.d_model))
     x = (wte(tokens) + wpe[:T]).astype(dtype)                                 # (B, T, C)
-    x = blocks(cfg, x)                                                        # (B, T, C)
+    x = layers.stack(Block, cfg, x)                                           # (B, T, C)
     x = nn.LayerNorm(dtype=dtype, name="ln_f")(x)
     if targets is not None and cfg.loss_chunk:
       return losses.chunked_cross_entropy_sum(x.astype(dtype), targets, wte.head(),
@@ -265,6 +229,11 @@ class GPT2(nn.Module):
     if targets is not None:
       return losses.cross_entropy_sum(logits, targets)
     return logits
+
+
+def build(cfg: ModelConfig) -> nn.Module:
+  """The model of `cfg`: token ids (B, T) -> logits, or with targets the summed loss."""
+  return GPT2(cfg) if cfg.family == "gpt2" else llama.Llama(cfg)
 
 
 def num_params(params) -> int:

@@ -24,7 +24,10 @@ compiles the real `train.train_step`, sharded over `--devices` compile-only GPUs
     rematerialization cannot hide the need) and the accumulation that keeps the global batch.
 
 It is also a compile-only check: a config that does not compile for the GPU fails here with
-XLA's error. Exit code: 0 if it fits, 1 if it compiles but does not fit, 2 on errors.
+XLA's error. Exit code (s24jax/errors.py): 0 if it fits, 6 if it compiles but does not fit,
+2 for a user error (a bad argument, config file or value: checked before the compile plugin
+is looked for; or no compile plugin), one line; 1 for an internal error (a traceback, XLA's
+compile errors included).
 Compile-time facts and limits: kernels/aot.py; the measured table is in docs/scaling.md.
 """
 from __future__ import annotations
@@ -38,7 +41,7 @@ import sys
 import time
 from typing import Any
 
-from s24jax import config_files
+from s24jax import errors
 from s24jax.kernels import aot
 from s24jax.kernels.cusparselt import rules as cusparselt_rules
 
@@ -94,13 +97,14 @@ class Planner:
     # Imported here, after aot.start(): no JAX backend may start before it (kernels/aot.py).
     import jax   # pylint: disable=g-import-not-at-top
     from jax.experimental import topologies   # pylint: disable=g-import-not-at-top
-    from s24jax import model as model_lib, run_spec, sharding, train   # pylint: disable=g-import-not-at-top
+    from s24jax import flops, model as model_lib, run_spec, sharding, train   # pylint: disable=g-import-not-at-top
     self.jax, self.train, self.sharding, self.model_lib = jax, train, sharding, model_lib
+    self.flops = flops
     self.config = gpu_config(config, gpu)
     self.gpu, self.num_devices = gpu, num_devices
     self.spec = run_spec.RunSpec.build(self.config)
     self.method, self.model_cfg, self.tx_fn = self.spec.method, self.spec.model_cfg, self.spec.tx
-    self.model = model_lib.GPT2(self.model_cfg)
+    self.model = model_lib.build(self.model_cfg)
     self._topologies = {
         factor: topologies.get_topology_desc(
             platform="cuda", target_config=_target_with_memory(gpu, factor),
@@ -161,7 +165,7 @@ class Planner:
     cfg = dataclasses.replace(self.model_cfg, scan_layers=False, remat="none", loss_chunk=0,
                               sparsity=dataclasses.replace(self.model_cfg.sparsity,
                                                            backend="xla"))
-    model = self.model_lib.GPT2(cfg)
+    model = self.model_lib.build(cfg)
     abstract_state = jax.eval_shape(lambda: self.train.fresh_state(model, self.tx_fn, 0))
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                          abstract_state, partitioner.state_shardings(abstract_state))
@@ -229,6 +233,9 @@ def plan(config, gpu: str, num_devices: int, *, micro: int | None = None,
       "compile_seconds": real.seconds,
       # cuSPARSELt custom calls (sparsity.backend='cusparselt') and collectives in the
       # optimized HLO of the step (a loop body counted once).
+      # What 2:4 GEMMs can cover: the sparse layers' share of a dense step's FLOPs.
+      "family": planner.model_cfg.family,
+      "sparse_gemm_flop_share": planner.flops.sparse_gemm_share(planner.spec),
       "cusparselt_custom_calls": real.hlo.get("custom_calls", 0),
       "cusparselt_calls": real.cusparselt,
       "cusparselt_rule_violations": sum(c["violation"] is not None for c in real.cusparselt),
@@ -274,7 +281,8 @@ def format_report(r: dict[str, Any]) -> str:
       f"{'FITS' if r['fits'] else 'DOES NOT FIT'}",
       f"  XLA rematerialized to fit: {'YES (' + _gib(r['total_bytes_without_xla_remat']) + ' without)' if r['xla_rematerialized'] else 'no'}",
       f"  FLOPs per optimizer step: {r['flops_per_step']:.4g}  (compiled in "
-      f"{r['compile_seconds']:.0f} s)",
+      f"{r['compile_seconds']:.0f} s); in the sparse layers' GEMMs (what 2:4 can speed "
+      f"up): {100 * r['sparse_gemm_flop_share']:.1f} % ({r['family']})",
   ]
   if r["cusparselt_custom_calls"]:
     lines.append(f"  cuSPARSELt calls: {r['cusparselt_custom_calls']}, breaking the library's "
@@ -287,6 +295,18 @@ def format_report(r: dict[str, Any]) -> str:
                  + (f" (grad_accum_steps={r['grad_accum_steps_at_largest']})" if best else
                     " (none: shard more, e.g. --set mesh.fsdp=-1, or rematerialize)"))
   return "\n".join(lines)
+
+
+def _check_args(args) -> None:
+  """The arguments that need no config and no compiler (UserError)."""
+  if args.gpu not in aot.TARGETS:
+    raise errors.UserError(f"--gpu {args.gpu!r}: not one of {', '.join(aot.TARGETS)}")
+  if args.devices < 1:
+    raise errors.UserError(f"--devices {args.devices}: must be >= 1")
+  if args.micro is not None and args.micro < 1:
+    raise errors.UserError(f"--micro {args.micro}: must be >= 1 (sequences per device)")
+  if not 0 <= args.headroom < 1:
+    raise errors.UserError(f"--headroom {args.headroom}: must be in [0, 1)")
 
 
 def main(argv=None) -> int:
@@ -302,25 +322,30 @@ def main(argv=None) -> int:
   p.add_argument("--no-search", action="store_true", help="skip the micro-batch search")
   p.add_argument("--headroom", type=float, default=HEADROOM)
   p.add_argument("--json", default="", help="write the report here")
-  args = p.parse_args(argv)
+  args = p.parse_args(argv)   # argparse: a malformed command line exits 2 with its usage
+  from s24jax import validate   # pylint: disable=g-import-not-at-top (jax, the data pipeline)
   try:
-    aot.start()
-  except aot.PluginMissing as e:
+    # The arguments and the config first (loading it starts no JAX backend), then the plugin.
+    _check_args(args)
+    config = validate.load_config(args.config, args=args.set)
+    validate.check_fields(config)
+    try:
+      aot.start()
+    except aot.PluginMissing as e:
+      raise errors.UserError(str(e)) from None
+    validate.check_config(config)
+    with errors.user_errors(ValueError):   # the batch against --devices and --micro
+      report = plan(config, args.gpu, args.devices, micro=args.micro,
+                    search=not args.no_search, headroom=args.headroom)
+  except errors.UserError as e:
     print(f"s24jax.plan: {e}", file=sys.stderr)
-    return 2
-  try:   # after aot.start(): the config file imports jax
-    config = config_files.load_config(args.config, args=args.set)
-  except config_files.OverrideError as e:
-    print(f"s24jax.plan: {e}", file=sys.stderr)
-    return 2
-  report = plan(config, args.gpu, args.devices, micro=args.micro, search=not args.no_search,
-                headroom=args.headroom)
+    return e.exit_code
   report["command"] = " ".join(["python -m s24jax.plan"] + (argv or sys.argv[1:]))
   print(format_report(report))
   if args.json:
     with open(args.json, "w", encoding="utf-8") as f:
       json.dump(report, f, indent=2)
-  return 0 if report["fits"] else 1
+  return errors.EXIT_OK if report["fits"] else errors.EXIT_DOES_NOT_FIT
 
 
 if __name__ == "__main__":

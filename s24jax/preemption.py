@@ -1,12 +1,14 @@
 """Stopping cleanly when the cluster asks: SIGTERM (a preemption notice) or SIGINT (Ctrl-C).
 
-One process: the first signal sets a flag; the loop finishes the step in flight, writes a
-checkpoint of that step (waiting for it), flushes the logs and leaves with `Preempted`, which
-`launch.py` turns into exit code `EXIT_CODE` (75, EX_TEMPFAIL: "try again") so that a job
-script can requeue the run; re-running the same command resumes from that checkpoint. A
-second signal while it saves is acknowledged and ignored: Orbax writes into a temporary
-directory and renames it when complete, so even a SIGKILL then leaves the previous checkpoint
-intact.
+One process: the first signal sets a flag; the loop finishes the step in flight (it keeps at
+most two steps queued on the device, so that is within a step or two of the signal at any
+log_every), writes a checkpoint of that step (waiting for it), flushes the logs and leaves
+with `Preempted`, which `launch.py` turns into exit code `EXIT_CODE` (75, EX_TEMPFAIL: "try
+again") so that a job script can requeue the run; re-running the same command resumes from
+that checkpoint. A signal during the start-up (`Guard.at_once`: the checks before the first
+write) stops the run at once, having written nothing. A second signal while it saves is acknowledged and ignored: Orbax writes
+into a temporary directory and renames it when complete, so even a SIGKILL then leaves the
+previous checkpoint intact.
 
 Several processes (jax.distributed): they must stop at the same step, or the hosts would save
 different steps. JAX's preemption service (on by default under jax.distributed) catches
@@ -16,6 +18,7 @@ collective). SIGINT keeps its default meaning there (KeyboardInterrupt on that h
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -26,16 +29,24 @@ import numpy as np
 from absl import logging
 from jax.experimental import multihost_utils
 
-EXIT_CODE = 75
+from s24jax import errors
+
+EXIT_CODE = errors.EXIT_PREEMPTED
 
 
-class Preempted(Exception):
-  """The run stopped on a signal after saving the checkpoint of `step`."""
+class Preempted(errors.KnownError):
+  """The run stopped on a signal after saving the checkpoint of `step` (None: the signal came
+  before training started, and nothing was written)."""
+  exit_code = EXIT_CODE
 
-  def __init__(self, step: int, signum: int | None):
+  def __init__(self, step: int | None, signum: int | None):
     name = signal.Signals(signum).name if signum else "a preemption notice"
-    super().__init__(f"stopped by {name} at step {step}; its checkpoint is saved. Run the same "
-                     "command again to resume.")
+    if step is None:
+      super().__init__(f"stopped by {name} before training started; nothing was written. Run "
+                       "the same command again to start.")
+    else:
+      super().__init__(f"stopped by {name} at step {step}; its checkpoint is saved. Run the "
+                       "same command again to resume.")
     self.step = step
 
 
@@ -46,6 +57,7 @@ class Guard:
     self.signum: int | None = None
     self._old = {}
     self._distributed = jax.process_count() > 1
+    self._at_once = False
 
   def __enter__(self) -> "Guard":
     if threading.current_thread() is not threading.main_thread():
@@ -61,8 +73,25 @@ class Guard:
       signal.signal(s, old)
     self._old.clear()
 
+  @contextlib.contextmanager
+  def at_once(self):
+    """Within this block (the start-up: nothing is written yet, nothing to save) a signal
+    stops the run at once, as Preempted(None), even inside a long token-cache build."""
+    self._at_once = True
+    try:
+      yield
+    except KeyboardInterrupt:
+      if self.signum is None:
+        raise
+      raise Preempted(None, self.signum) from None
+    finally:
+      self._at_once = False
+
   def _handle(self, signum, frame) -> None:
     del frame
+    if self._at_once:
+      self.signum = signum
+      raise KeyboardInterrupt   # a BaseException: no library's `except Exception` eats it
     if self.signum is None:
       self.signum = signum
       logging.warning("%s received: finishing the current step, then saving a checkpoint "

@@ -51,7 +51,7 @@ class RunSpec:
   def fresh_state(self, seed: int | None = None) -> state_lib.TrainState:
     """A new run's state (traceable: jit it, or eval_shape it)."""
     seed = self.config.seed if seed is None else seed
-    return train.fresh_state(model_lib.GPT2(self.model_cfg), self.tx, seed)
+    return train.fresh_state(model_lib.build(self.model_cfg), self.tx, seed)
 
   @property
   def kernel_shapes(self) -> dict[str, tuple[int, int]]:

@@ -259,6 +259,51 @@ class SparseEmbed(nn.Embed):
     return sparse_head
 
 
+class SparseHead(nn.Module):
+  """An untied LM head (the Llama-style family's 'lm_head'): logits = x W^T with W
+  (vocab, C), its 'kernel', stored (out, in) like every SparseLinear kernel. Sparse when its
+  path matches `sparsity.sparse_layers`, like any layer (its state in the 'sparsity'
+  collection), with the model's GEMM options; `head()` gives it as a pure function of
+  arrays for a chunked loss, as `SparseEmbed.head` does for GPT-2's tied head."""
+  features: int                     # vocab
+  in_features: int                  # C
+  sparsity: SparsityConfig
+  dtype: Any = jnp.float32
+  kernel_init: Callable = nn.initializers.normal(0.02)
+
+  def setup(self):
+    self.kernel = self.param("kernel", self.kernel_init, (self.features, self.in_features))
+    if self._is_sparse() and self.is_initializing():
+      path = "/".join(self.path)
+      for name, value in _init_layer(self.sparsity.method, self.kernel, path).items():
+        self.variable("sparsity", name, lambda v=value: v)
+
+  def _is_sparse(self) -> bool:
+    return self.sparsity.is_sparse("/".join(self.path))
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return self.head()(x)                                                # (..., vocab)
+
+  def head(self) -> Callable[..., jax.Array]:
+    """(x (..., C), chunk=None) -> logits (..., vocab) in x's dtype; the sparse head's MVUE
+    key folded with the chunk index. No `prepared` W~ (SparseEmbed.head says why)."""
+    sp = self.sparsity
+    if not self._is_sparse():
+      kernel, dtype = self.kernel, self.dtype
+
+      def dense_head(x, chunk=None):
+        del chunk
+        return linear(x.astype(dtype), kernel)                           # (..., vocab)
+      return dense_head
+    w = sp.method.project(self.kernel, dict(self.variables.get("sparsity", {})))
+    key, opts = _mvue_key(self, sp), _gemm(self, sp)
+
+    def sparse_head(x, chunk=None):
+      k = key if key is None or chunk is None else jax.random.fold_in(key, chunk)
+      return linear(x.astype(self.dtype), w, opts, key=k)                # (..., vocab)
+    return sparse_head
+
+
 def prepare(model_cfg, params: Any, sparsity: Any, *, tokens: int, dtype) -> dict:
   """The 'prepared' collection of this step: for each sparse linear layer, what the backend
   prepares from its W~ (sparse_ops.Backend.prepare: e.g. cuSPARSELt's compressed W~ for
@@ -272,7 +317,7 @@ def prepare(model_cfg, params: Any, sparsity: Any, *, tokens: int, dtype) -> dic
   opts = sp.gemm
   flat = {}
   for path in state_lib.sparse_layer_paths(sparsity):
-    if path == (state_lib.HEAD,):
+    if state_lib.is_head(path):
       continue
     layer = methods_base.layer_at(sparsity, path)
     kernel = state_lib.get_path(params, path)["kernel"]

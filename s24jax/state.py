@@ -38,9 +38,16 @@ def get_path(tree: Any, path: tuple[str, ...]) -> Any:
   return tree
 
 
-# The module name of the tied token embedding / LM head (s24jax/sparse_linear.py: SparseEmbed);
-# 'wte' in `sparsity.sparse_layers` makes it a sparse layer.
-HEAD = "wte"
+# The LM head's module name per model family: GPT-2's tied token embedding 'wte'
+# (s24jax/sparse_linear.py: SparseEmbed), Llama's untied 'lm_head' (SparseHead). Naming it in
+# `sparsity.sparse_layers` makes the head a sparse layer.
+HEADS = {"gpt2": "wte", "llama": "lm_head"}
+HEAD = HEADS["gpt2"]
+
+
+def is_head(path: tuple[str, ...]) -> bool:
+  """Whether the sparse layer at `path` is an LM head (of either family)."""
+  return len(path) == 1 and path[0] in HEADS.values()
 
 # The name of a sparse layer's weight in its params: a SparseLinear's 'kernel' (out, in), or the
 # tied token embedding's 'embedding' (vocab, C), which is the LM head's (out, in) weight.

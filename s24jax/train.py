@@ -21,7 +21,6 @@ from s24jax import sharding
 from s24jax.methods.base import layer_scalars
 from s24jax import model as model_lib
 from s24jax import sparse_linear
-from s24jax.model import GPT2
 from s24jax.state import TrainState
 from s24jax.step_info import StepInfo
 
@@ -49,7 +48,7 @@ def _micro_batches(batch: Batch, k: int) -> Batch:
       lambda x: jnp.swapaxes(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 0, 1), batch)
 
 
-def loss_and_grads(params: Any, sparsity: Any, batch: Batch, key: jax.Array, *, model: GPT2,
+def loss_and_grads(params: Any, sparsity: Any, batch: Batch, key: jax.Array, *, model: Any,
                    accum_steps: int = 1) -> tuple[jax.Array, Any]:
   """(summed token loss, gradient of the mean token loss) over the whole batch.
 
@@ -90,7 +89,7 @@ def loss_and_grads(params: Any, sparsity: Any, batch: Batch, key: jax.Array, *, 
 
 @functools.partial(jax.jit, static_argnames=("model", "tx", "accum_steps", "partitioner"),
                    donate_argnames=("state",))
-def train_step(state: TrainState, batch: Batch, info: StepInfo | None = None, *, model: GPT2,
+def train_step(state: TrainState, batch: Batch, info: StepInfo | None = None, *, model: Any,
                tx: optax.GradientTransformationExtraArgs, accum_steps: int = 1,
                partitioner: sharding.Partitioner | None = None
                ) -> tuple[TrainState, dict[str, jax.Array]]:
@@ -125,12 +124,12 @@ def train_step(state: TrainState, batch: Batch, info: StepInfo | None = None, *,
 
 
 @functools.partial(jax.jit, static_argnames=("model",))
-def eval_step(params: Any, sparsity: Any, batch: Batch, *, model: GPT2) -> dict[str, jax.Array]:
+def eval_step(params: Any, sparsity: Any, batch: Batch, *, model: Any) -> dict[str, jax.Array]:
   return {"loss": model.apply(_variables(params, sparsity), batch["inputs"], batch["targets"]),
           "count": jnp.asarray(batch["targets"].size, jnp.float32)}
 
 
-def fresh_state(model: GPT2, tx_fn: Callable[[Any, Any], optax.GradientTransformation],
+def fresh_state(model: Any, tx_fn: Callable[[Any, Any], optax.GradientTransformation],
                 seed: int) -> TrainState:
   """A new run's state: params, the 'sparsity' collection (per-layer state), the method's own
   state, the optimizer state. `tx_fn(params, sparsity)` builds the optimizer."""

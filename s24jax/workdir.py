@@ -6,6 +6,11 @@ holder (`WorkdirLockedError`), writing nothing. A lock left by a process that is
 alive on this host is taken over with a warning; a lock held from another host is never taken
 over (its process cannot be checked from here): remove the file by hand if that run is gone.
 
+The lock creates the workdir (and its missing parents) if needed, and removes what it
+created, if still empty, when released: a run stopped by a bad config leaves no trace. A
+workdir that cannot be created or written (a file in the way, no permission) is a
+`UserError`.
+
 `write_config` saves the resolved config as `config.json` at the first start; a resumed run
 writes `config.resumed_at_<step>.json` only when a field really changed, and names the
 changed fields in it and in a warning.
@@ -23,11 +28,14 @@ from absl import logging
 from flax import traverse_util
 from ml_collections import config_dict
 
+from s24jax import errors
+
 LOCK_NAME = "run.lock"
 
 
-class WorkdirLockedError(RuntimeError):
+class WorkdirLockedError(errors.KnownError, RuntimeError):
   """Another live run holds the workdir."""
+  exit_code = errors.EXIT_LOCKED
 
 
 def _alive(pid: int) -> bool:
@@ -48,6 +56,23 @@ class WorkdirLock:
 
   def __init__(self, workdir: str):
     self.path = os.path.join(os.path.abspath(workdir), LOCK_NAME)
+    self._created: list[str] = []   # the folders acquire() made, deepest first
+
+  def _make_workdir(self) -> None:
+    folder = os.path.dirname(self.path)
+    missing = []
+    while not os.path.exists(folder):
+      missing.append(folder)
+      folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+      raise errors.UserError(f"cannot create the workdir {os.path.dirname(self.path)}: "
+                             f"{folder} is a file, not a folder; choose another --workdir")
+    try:
+      os.makedirs(os.path.dirname(self.path), exist_ok=True)
+    except OSError as e:
+      raise errors.UserError(f"cannot create the workdir {os.path.dirname(self.path)} "
+                             f"({e.strerror}); choose another --workdir") from e
+    self._created = missing
 
   def holder(self) -> dict[str, Any] | None:
     try:
@@ -62,12 +87,16 @@ class WorkdirLock:
     if self._held.get(self.path):
       self._held[self.path] += 1
       return
-    os.makedirs(os.path.dirname(self.path), exist_ok=True)
+    self._make_workdir()
     me = {"host": socket.gethostname(), "pid": os.getpid(),
           "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     for _ in range(2):
       try:
         fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+      except (PermissionError, IsADirectoryError, NotADirectoryError) as e:
+        self._remove_created()
+        raise errors.UserError(f"cannot write to the workdir {os.path.dirname(self.path)} "
+                               f"({e.strerror}); choose another --workdir") from e
       except FileExistsError:
         other = self.holder()
         if other is None:   # released between the two calls: try again
@@ -79,6 +108,7 @@ class WorkdirLock:
                           other.get("started"))
           os.remove(self.path)
           continue
+        self._remove_created()
         raise WorkdirLockedError(
             f"{os.path.dirname(self.path)} is in use by another run (pid {other.get('pid')} on "
             f"{other.get('host')}, started {other.get('started')}; lock file {self.path}). "
@@ -103,6 +133,17 @@ class WorkdirLock:
       except OSError as e:
         if e.errno != errno.ENOENT:
           raise
+    self._remove_created()
+
+  def _remove_created(self) -> None:
+    """The folders acquire() created, if nothing was written in them (a stop before the run
+    started: a bad config, a busy workdir)."""
+    for folder in self._created:
+      try:
+        os.rmdir(folder)   # only if empty
+      except OSError:
+        break
+    self._created = []
 
   def __enter__(self) -> "WorkdirLock":
     self.acquire()
@@ -116,7 +157,8 @@ class WorkdirLock:
 # The resolved config.
 
 
-def _as_json(config: config_dict.ConfigDict) -> dict[str, Any]:
+def as_json(config: config_dict.ConfigDict) -> dict[str, Any]:
+  """The config as config.json holds it."""
   return json.loads(config.to_json_best_effort(sort_keys=True))
 
 
@@ -129,9 +171,9 @@ def changed_fields(old: dict[str, Any], new: dict[str, Any]) -> dict[str, dict[s
           if a.get(k) != b.get(k)}
 
 
-def last_config(workdir: str) -> dict[str, Any] | None:
-  """The config the workdir's runs last used: the newest config.resumed_at_*.json, else
-  config.json; None for a new workdir."""
+def last_config_path(workdir: str) -> str | None:
+  """The file of the config the workdir's runs last used: the newest
+  config.resumed_at_*.json, else config.json; None for a new workdir."""
   resumed = []
   for name in os.listdir(workdir) if os.path.isdir(workdir) else ():
     if name.startswith("config.resumed_at_") and name.endswith(".json"):
@@ -142,10 +184,22 @@ def last_config(workdir: str) -> dict[str, Any] | None:
   for name in [n for _, n in sorted(resumed, reverse=True)] + ["config.json"]:
     path = os.path.join(workdir, name)
     if os.path.exists(path):
-      with open(path, encoding="utf-8") as f:
-        data = json.load(f)
-      return data.get("config", data) if name != "config.json" else data
+      return path
   return None
+
+
+def last_config(workdir: str) -> dict[str, Any] | None:
+  """The config the workdir's runs last used (`last_config_path`); None for a new workdir."""
+  path = last_config_path(workdir)
+  if path is None:
+    return None
+  try:
+    with open(path, encoding="utf-8") as f:
+      data = json.load(f)
+  except ValueError as e:
+    raise errors.UserError(f"{path} is not valid JSON ({e}): restore it from a copy, or "
+                           "start a new --workdir") from e
+  return data.get("config", data) if os.path.basename(path) != "config.json" else data
 
 
 def check_resumable(workdir: str) -> None:
@@ -154,7 +208,7 @@ def check_resumable(workdir: str) -> None:
   read."""
   old = last_config(workdir)
   if old and "projection" in old.get("sparsity", {}):
-    raise ValueError(
+    raise errors.UserError(
         f"{workdir} was written by s24jax < 0.3: its config.json names the method under the "
         "old key 'projection', now sparsity.method, and its checkpoints hold the old train "
         "state (no method_state). Start a new --workdir, with --config.sparsity.method="
@@ -165,7 +219,7 @@ def write_config(workdir: str, config: config_dict.ConfigDict, step: int) -> str
   """Saves the resolved config: config.json at the first start (never overwritten); after a
   resume, config.resumed_at_<step>.json only if a field changed ({'changed': ..., 'config':
   ...}). Returns the path written, or None."""
-  new = _as_json(config)
+  new = as_json(config)
   old = last_config(workdir)
   if old is None:
     path = os.path.join(workdir, "config.json")
@@ -183,3 +237,19 @@ def write_config(workdir: str, config: config_dict.ConfigDict, step: int) -> str
     json.dump(payload, f, indent=2, sort_keys=True)
   os.replace(tmp, path)
   return path
+
+
+def supersede_metrics(workdir: str) -> None:
+  """A run that starts at step 0 in a workdir with a metrics.jsonl (an earlier attempt killed
+  before or during its first periodic checkpoint, resumed from the step-0 checkpoint or
+  from scratch): that attempt's records move to metrics.superseded.jsonl, so metrics.jsonl
+  is the new run's alone, as after a resume from any other step (s24jax/metrics.py)."""
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return
+  with open(path, encoding="utf-8") as f:
+    old = f.read()
+  if old:
+    with open(os.path.join(workdir, "metrics.superseded.jsonl"), "a", encoding="utf-8") as f:
+      f.write(old if old.endswith("\n") else old + "\n")
+  os.remove(path)

@@ -1,8 +1,10 @@
 """Tests for s24jax/checkpoint.py through the loop: a damaged newest checkpoint is set aside
 and the run resumes from the previous one to an undisturbed run's losses (the reference: the
 same config trained without interruption), each step logged once; with none readable, a
-clear error and an unchanged workdir; a full disk (ENOSPC injected into Orbax's save) stops
-the run and keeps the previous checkpoint restorable."""
+clear error and an unchanged workdir; a full disk (ENOSPC injected into the background write
+of Orbax's save, where a real one happens) stops the run before the next checkpoint with one
+line naming the step, its path and the intact previous checkpoint, which is restorable, and
+the same command then (space freed) resumes to the undisturbed run's losses."""
 import errno
 import json
 import os
@@ -11,6 +13,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from s24jax import checkpoint as ckpt_lib
+from s24jax import errors
 from s24jax import loop
 from s24jax.run_spec import RunSpec
 
@@ -51,26 +54,44 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(
   assert digest(workdir) == before
 
 
+class _DiskFull:
+  """A commit future of Orbax's background write that fails as a full disk does."""
+
+  def result(self, timeout=None):
+    del timeout
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
 @pytest.mark.slow
-def test_a_full_disk_stops_the_run_and_keeps_the_previous_checkpoint(
-    tmp_path, data_cache, monkeypatch):
+def test_a_full_disk_stops_the_run_at_once_and_keeps_the_previous_checkpoint(
+    undisturbed, tmp_path, data_cache, monkeypatch):
   workdir = str(tmp_path / "full_disk")
   real = ocp.StandardCheckpointHandler.async_save
   calls = []
 
-  def failing(self, *args, **kwargs):   # the third save (step 6) finds the disk full
+  async def failing(self, *args, **kwargs):   # the second save (step 10) fails in the background
+    futures = await real(self, *args, **kwargs)
     calls.append(1)
-    if len(calls) >= 3:
-      raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    return real(self, *args, **kwargs)
+    return list(futures or []) + ([_DiskFull()] if len(calls) == 2 else [])
 
   monkeypatch.setattr(ocp.StandardCheckpointHandler, "async_save", failing)
-  with pytest.raises(ckpt_lib.CheckpointSaveError, match="No space left") as e:
-    loop.train_and_evaluate(run_config(data_cache, checkpoint_every=3), workdir)
-  assert "step 3, is intact" in str(e.value)
-  monkeypatch.setattr(ocp.StandardCheckpointHandler, "async_save", real)
+  config = run_config(data_cache, checkpoint_every=10)   # logs every 5 steps
+  with pytest.raises(ckpt_lib.CheckpointSaveError) as e:
+    loop.train_and_evaluate(config, workdir)
+  directory = os.path.join(workdir, "checkpoints")
+  message = str(e.value)
+  assert "\n" not in message and e.value.exit_code == errors.EXIT_STORAGE
+  assert f"saving the checkpoint of step 10 to {directory}/10 failed" in message
+  assert "No space left on device" in message
+  assert f"The previous checkpoint, step 0 ({directory}/0), is intact" in message
+  # Stopped when the write failed, not at the next save (step 20, logged first) as it used to.
+  assert max(losses(workdir)) in (10, 15)
+  monkeypatch.setattr(ocp.StandardCheckpointHandler, "async_save", real)   # space freed
   fresh = RunSpec.build(run_config(data_cache)).fresh_state(0)
   ckpt = ckpt_lib.Checkpointer(workdir)
-  assert ckpt.latest_step() == 3
-  assert int(ckpt.restore_or_init(fresh).step) == 3
+  assert ckpt.latest_step() == 0
+  assert int(ckpt.restore_or_init(fresh).step) == 0
   ckpt.close()
+  loop.train_and_evaluate(config, workdir)   # the same command again
+  assert losses(workdir) == losses(undisturbed)
+  assert_each_step_once(workdir)

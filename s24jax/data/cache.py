@@ -5,6 +5,12 @@ Documents are concatenated, each followed by <|endoftext|>. An entry is keyed by
 determines its content (the source's key, the tokenizer, the cache format) and written under
 temporary names, then renamed, the sidecar last, so that a crash or two processes preparing at
 once never leave a half-written entry that looks valid.
+
+The sidecar records each split's size, largest token id and checksum (`file_checksum`: BLAKE2b
+of the whole file up to FULL_HASH_BYTES, of SAMPLE_BLOCKS evenly spaced blocks beyond, so
+that a start costs at most ~64 MiB of reading whatever the corpus), and every open checks
+them: a file changed since it was written (truncated, overwritten, zeroed) is rebuilt with a
+warning instead of being trained on.
 """
 
 from __future__ import annotations
@@ -26,7 +32,11 @@ from s24jax.data import sources
 from s24jax.data import tokenizer
 
 # Bump when the cache layout or the way documents become tokens changes: old caches are ignored.
-CACHE_FORMAT = 1
+# 2: the sidecar holds each split's checksum and largest id.
+CACHE_FORMAT = 2
+# file_checksum: files up to this size are hashed whole; larger ones by SAMPLE_BLOCKS blocks.
+FULL_HASH_BYTES = 256 << 20
+SAMPLE_BLOCKS, SAMPLE_BLOCK_BYTES = 64, 1 << 20
 _SPLITS = ('train', 'val')
 _DOC_CHUNK = 64  # Documents per tokenizer call (tiktoken batches them over threads).
 
@@ -49,25 +59,46 @@ def _atomic_write_bytes(path: pathlib.Path, data: bytes) -> None:
   os.replace(tmp, path)
 
 
+def file_checksum(path: pathlib.Path) -> str:
+  """A checksum of the file's size and bytes: all of them up to FULL_HASH_BYTES, else
+  SAMPLE_BLOCKS blocks evenly spaced from the first to the last byte (a truncated, zeroed or
+  overwritten region of a few MiB or more changes it; a single flipped byte of a huge file may
+  not)."""
+  size = path.stat().st_size
+  h = hashlib.blake2b(str(size).encode(), digest_size=16)
+  with open(path, 'rb') as f:
+    if size <= FULL_HASH_BYTES:
+      for chunk in iter(lambda: f.read(1 << 22), b''):
+        h.update(chunk)
+      return f'blake2b:{h.hexdigest()}'
+    last = size - SAMPLE_BLOCK_BYTES
+    for i in range(SAMPLE_BLOCKS):
+      f.seek(last * i // (SAMPLE_BLOCKS - 1))
+      h.update(f.read(SAMPLE_BLOCK_BYTES))
+  return f'blake2b-sampled:{h.hexdigest()}'
+
+
 def _write_split(path: pathlib.Path, docs: Iterable[sources.Doc],
                  enc: tokenizer.Tokenizer) -> dict[str, Any]:
-  """Tokenizes documents straight to `path` (tmp file + rename); returns counts and titles.
+  """Tokenizes documents straight to `path` (tmp file + rename); returns counts, titles, the
+  largest id and the checksum.
 
   Text is encoded as ordinary text: a literal '<|endoftext|>' inside a document does not become
   the separator token, so documents can only be delimited by the EOT we append.
   """
   tmp = path.with_name(f'{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}')
-  num_tokens, num_docs, titles = 0, 0, []
+  num_tokens, num_docs, titles, max_id = 0, 0, [], -1
   try:
     with open(tmp, 'wb') as f:
       batch: list[sources.Doc] = []
 
       def flush() -> None:
-        nonlocal num_tokens
+        nonlocal num_tokens, max_id
         for ids in enc.encode_ordinary_batch([text for _, text in batch]):
           ids.append(enc.eot_token)
           np.asarray(ids, dtype=np.uint16).tofile(f)  # [doc_len + 1]
           num_tokens += len(ids)
+          max_id = max(max_id, max(ids))
         batch.clear()
 
       for title, text in docs:
@@ -77,26 +108,44 @@ def _write_split(path: pathlib.Path, docs: Iterable[sources.Doc],
         if len(batch) == _DOC_CHUNK:
           flush()
       flush()
+    checksum = file_checksum(tmp)
     os.replace(tmp, path)
   finally:
     if tmp.exists():
       tmp.unlink()
-  return {'num_tokens': num_tokens, 'num_docs': num_docs, 'titles': titles}
+  return {'num_tokens': num_tokens, 'num_docs': num_docs, 'titles': titles,
+          'max_id': max_id, 'checksum': checksum}
+
+
+def _check_entry(directory: pathlib.Path, key: dict[str, Any]
+                 ) -> tuple[dict[str, Any] | None, str | None]:
+  """(the sidecar, None) if the cache entry is complete, matches `key` and its files match
+  their sizes and checksums; else (None, what is wrong), the problem None when there is simply
+  no entry yet."""
+  try:
+    meta = json.loads((directory / 'meta.json').read_text())
+  except FileNotFoundError:
+    return None, None
+  except (OSError, ValueError) as e:
+    return None, f'its meta.json cannot be read ({e})'
+  if meta.get('key') != json.loads(json.dumps(key, default=str)):
+    return None, 'its meta.json belongs to another entry'
+  for split in _SPLITS:
+    f = directory / f'{split}.bin'
+    info = meta.get('splits', {}).get(split, {})
+    if not f.is_file():
+      return None, f'{f.name} is missing'
+    if f.stat().st_size != 2 * info.get('num_tokens', -1):
+      return None, (f'{f.name} has {f.stat().st_size} bytes, not the '
+                    f'{2 * info.get("num_tokens", -1)} it was written with')
+    if info.get('checksum') != file_checksum(f):
+      return None, f'{f.name} changed since it was written (its checksum differs)'
+  return meta, None
 
 
 def _read_meta(directory: pathlib.Path, key: dict[str, Any]) -> dict[str, Any] | None:
-  """The sidecar if the cache entry is complete and matches `key`, else None."""
-  try:
-    meta = json.loads((directory / 'meta.json').read_text())
-  except (OSError, ValueError):
-    return None
-  if meta.get('key') != json.loads(json.dumps(key, default=str)):
-    return None
-  for split in _SPLITS:
-    f = directory / f'{split}.bin'
-    if not f.is_file() or f.stat().st_size != 2 * meta['splits'][split]['num_tokens']:
-      return None
-  return meta
+  """The sidecar if the cache entry is complete, matches `key` and passes its checks."""
+  return _check_entry(directory, key)[0]
 
 
 def prepare_token_cache(source: sources.Source, root: pathlib.Path,
@@ -110,10 +159,13 @@ def prepare_token_cache(source: sources.Source, root: pathlib.Path,
   enc = enc or tokenizer.Gpt2Tokenizer()
   key = cache_key(source.key, enc)
   directory = cache_path(root, source.name, key)
-  meta = _read_meta(directory, key)
+  meta, problem = _check_entry(directory, key)
   if meta is not None:
     logging.info('Token cache hit for %s: %s', source.name, directory)
     return directory, meta
+  if problem:
+    logging.warning('TOKEN CACHE REBUILT: the entry for %s in %s failed its check: %s. '
+                    'Tokenizing the source again.', source.name, directory, problem)
   start = time.perf_counter()
   directory.mkdir(parents=True, exist_ok=True)
   splits_docs = source.open_splits()
@@ -128,6 +180,7 @@ def prepare_token_cache(source: sources.Source, root: pathlib.Path,
       'dtype': 'uint16',
       'seconds': round(time.perf_counter() - start, 3),
       'splits': {s: {'num_tokens': i['num_tokens'], 'num_docs': i['num_docs'],
+                     'max_id': i['max_id'], 'checksum': i['checksum'],
                      # Titles make the split auditable; skipped for huge corpora.
                      'titles': i['titles'] if len(i['titles']) <= 10_000 else None}
                  for s, i in splits.items()},
@@ -147,6 +200,7 @@ class TokenData:
   val: np.ndarray  # [num_val_tokens] uint16
   vocab_size: int
   name: str
+  max_id: int | None = None  # the largest id in either split (from the sidecar)
 
 
 def data_tokenizer(data_cfg: Any) -> tokenizer.Tokenizer:
@@ -155,13 +209,21 @@ def data_tokenizer(data_cfg: Any) -> tokenizer.Tokenizer:
 
 
 def load_tokens(data_cfg: Any) -> TokenData:
-  """Prepares (once) and memory-maps the token streams described by `config.data`."""
+  """Prepares (once) and memory-maps the token streams described by `config.data`; a source
+  of ready token ids (`Source.token_streams`: llm.c / nanoGPT files) is mapped as it is."""
   source = sources.resolve_source(data_cfg)
+  enc = data_tokenizer(data_cfg)
+  streams = getattr(source, 'token_streams', None)
+  if streams is not None:
+    train, val, max_id = streams(enc)
+    return TokenData(train=train, val=val, vocab_size=enc.n_vocab, name=source.name,
+                     max_id=int(max_id))
   root = sources.cache_root(getattr(data_cfg, 'cache_dir', None))
-  directory, meta = prepare_token_cache(source, root, data_tokenizer(data_cfg))
+  directory, meta = prepare_token_cache(source, root, enc)
   arrays = {s: np.memmap(directory / f'{s}.bin', dtype=np.uint16, mode='r') for s in _SPLITS}
+  max_id = max(meta['splits'][s]['max_id'] for s in _SPLITS)
   return TokenData(train=arrays['train'], val=arrays['val'], vocab_size=meta['vocab_size'],
-                   name=source.name)
+                   name=source.name, max_id=max_id)
 
 
 def token_cache_meta(data_cfg: Any) -> dict[str, Any] | None:

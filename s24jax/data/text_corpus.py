@@ -24,6 +24,7 @@ from absl import logging
 from etils import epath
 import tensorflow_datasets as tfds
 
+from s24jax import errors
 from s24jax.config import DEFAULT_VAL_FRACTION
 from s24jax.config import EMBEDDED_CORPUS as SHAKESPEARE
 from s24jax.data import installed
@@ -116,15 +117,59 @@ def list_text_files(folder: str | os.PathLike[str]) -> list[pathlib.Path]:
   return files
 
 
+# A .txt file with a NUL byte, or with more than this share of bytes that are not UTF-8, is
+# not text (an image, an archive, a UTF-16 file): it is skipped, with a warning naming it.
+MAX_UNDECODABLE_SHARE = 0.1
+
+
+def decode_text(data: bytes) -> tuple[str | None, int]:
+  """(text, undecodable bytes) of a file's bytes read as UTF-8; text None when it is binary
+  (a NUL byte, or over MAX_UNDECODABLE_SHARE of its bytes undecodable). A few undecodable
+  bytes (a stray Latin-1 character) become U+FFFD: they should not stop a research run."""
+  try:
+    return data.decode('utf-8'), 0
+  except UnicodeDecodeError:
+    pass
+  text = data.decode('utf-8', errors='replace')
+  bad = text.count('\ufffd') - data.count('\ufffd'.encode())
+  if b'\0' in data or bad > MAX_UNDECODABLE_SHARE * len(data):
+    return None, bad
+  return text, bad
+
+
+def _names(paths: list[str], limit: int = 10) -> str:
+  return ', '.join(paths[:limit]) + (f' ... ({len(paths)} in all)' if len(paths) > limit else '')
+
+
 def folder_documents(folder: str | os.PathLike[str]) -> list[Document]:
-  """One document per non-empty .txt file; the title is the path relative to `folder`."""
+  """One document per non-empty .txt file; the title is the path relative to `folder`.
+
+  Binary files (`decode_text`) are skipped and named in a warning, files with a few
+  undecodable bytes kept and named in another; if no file is text, a UserError."""
   root = pathlib.Path(folder).expanduser()
-  docs = []
-  for path in list_text_files(root):
-    # errors='replace': one stray Latin-1 byte should not stop a research run.
-    text = path.read_text(encoding='utf-8', errors='replace')
-    if text.strip():
-      docs.append(Document(title=path.relative_to(root).as_posix(), text=text))
+  docs, binary, replaced = [], [], []
+  files = list_text_files(root)
+  for path in files:
+    title = path.relative_to(root).as_posix()
+    text, bad = decode_text(path.read_bytes())
+    if text is None:
+      binary.append(title)
+    elif bad:
+      replaced.append(f'{title} ({bad} bytes)')
+    if text is not None and text.strip():
+      docs.append(Document(title=title, text=text))
+  if binary:
+    if not docs:
+      raise errors.UserError(
+          f'config.data.path={str(folder)!r}: none of its {len(files)} .txt files is UTF-8 '
+          f'text ({_names(binary)} are binary or in another encoding): give a folder of UTF-8 '
+          '.txt files, one document per file.')
+    logging.warning('SKIPPED %d binary .txt file(s) in %s (a NUL byte, or over %d%% of the bytes '
+                    'not UTF-8): %s', len(binary), root, 100 * MAX_UNDECODABLE_SHARE,
+                    _names(binary))
+  if replaced:
+    logging.warning('%d .txt file(s) in %s have bytes that are not UTF-8, read as U+FFFD: %s',
+                    len(replaced), root, _names(replaced))
   return docs
 
 

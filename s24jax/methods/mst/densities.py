@@ -24,7 +24,7 @@ def reference_order(names) -> list[str]:
       rest = match.group(2)
       pos = _BLOCK_ORDER.index(rest) if rest in _BLOCK_ORDER else len(_BLOCK_ORDER)
       return (0, int(match.group(1)), pos, rest)
-    return (2 if name == state_lib.HEAD else 1, 0, 0, name)
+    return (2 if state_lib.is_head((name,)) else 1, 0, 0, name)
   return sorted(names, key=key)
 
 

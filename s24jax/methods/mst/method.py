@@ -182,10 +182,10 @@ class MST(base.Method, base.OptimizerTransforms, base.ModelPhases, base.DynamicD
       raise ValueError(f"sparsity.method={self.name!r} (unstructured masks) needs "
                        f"sparsity.backend='xla', got {facts.backend!r}")
     attention_masks.check_pattern(self.sparse_attention, facts.attention_stride)
-    if not {"*/attn/*", "*/mlp/*", state_lib.HEAD} <= set(facts.sparse_layers):
+    if not {"*/attn/*", "*/mlp/*", facts.head} <= set(facts.sparse_layers):
       logging.warning("mst: sparsity.sparse_layers=%s is not the reference's set (every linear "
-                      "layer and the tied head: '*/attn/*', '*/mlp/*', 'wte'; "
-                      "experiments/gpt2_mst.py)", facts.sparse_layers)
+                      "layer and the LM head: '*/attn/*', '*/mlp/*', %r; "
+                      "experiments/gpt2_mst.py)", facts.sparse_layers, facts.head)
     return dataclasses.replace(self, total_steps=facts.total_steps)
 
   # -- the model: mask in the state, dense gradient, pruned weights stay 0 ---------------------

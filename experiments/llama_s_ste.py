@@ -1,0 +1,13 @@
+"""S-STE (soft threshold, frozen per-tensor scale) with MVUE and FP8 GEMMs on the FFN matrices.
+
+  python launch.py --config experiments/llama_s_ste.py:small --workdir runs/llama_s_ste_small
+
+The recipe is experiments/gpt2_s_ste.py's, run with model.family='llama' (s24jax/llama.py);
+variants: tiny, small (the CPU test bed), 125m (default), 1b, 7b (s24jax/config.py,
+LLAMA_SIZES). Measured: docs/results.md, "The Llama-style family".
+"""
+from s24jax.config_files import sibling_config
+
+
+def get_config(variant=None):
+  return sibling_config(__file__, "gpt2_s_ste", variant, family="llama")

@@ -1,0 +1,13 @@
+"""2:4 FFN weights with SR-STE's masked decay on the gradients (Hu et al.'s lambda_W).
+
+  python launch.py --config experiments/llama_sr_ste.py:small --workdir runs/llama_sr_ste_small
+
+The recipe is experiments/gpt2_sr_ste.py's, run with model.family='llama' (s24jax/llama.py);
+variants: tiny, small (the CPU test bed), 125m (default), 1b, 7b (s24jax/config.py,
+LLAMA_SIZES). Measured: docs/results.md, "The Llama-style family".
+"""
+from s24jax.config_files import sibling_config
+
+
+def get_config(variant=None):
+  return sibling_config(__file__, "gpt2_sr_ste", variant, family="llama")

@@ -1,0 +1,259 @@
+"""A run's model as a Hugging Face `transformers` directory, and back: `python -m s24jax.export`,
+`init_from`.
+
+    python -m s24jax.export --workdir runs/demo --out runs/demo/hf [--step N]
+
+writes a directory `transformers.AutoModelForCausalLM.from_pretrained` loads (no torch needed
+to write it; the MaxText / levanter way): GPT2LMHeadModel for the 'gpt2' family,
+LlamaForCausalLM (gated FFN) or ArceeForCausalLM (ungated, e.g. Squared-ReLU) for 'llama'
+(s24jax/hf_layouts.py: names, layouts, conventions):
+  - config.json: the class's fields; GPT-2: gelu -> 'gelu_new' (s24jax's gelu is the tanh
+    form, jax.nn.gelu(approximate=True): s24jax/activations.py), relu -> 'relu', relu2 ->
+    'relu2', layer_norm_epsilon 1e-6 (flax's LayerNorm, not GPT-2's 1e-5); no dropout;
+  - model.safetensors (safetensors.numpy.save_file(..., metadata={'format': 'pt'}), float32):
+    the weights the model computes with at that step (s24jax/trained.py, computed_params):
+    W~ = S(W) of a 2:4 method, beta S(W) of S-STE, the mask times W of MST, the dense W after
+    dense fine-tuning; 2:4-pruned entries are exact zeros. Embeddings keep the model's padded
+    rows (50304 for GPT-2's 50257 ids, 320 for the 257 byte ids), so logits and
+    log-probabilities are exactly the model's; no token maps to a padded row;
+  - the GPT-2 BPE's tokenizer files (s24jax/data/hf_tokenizer.py). UTF-8 bytes have no
+    transformers tokenizer: none is written, and s24jax_export.json says how ids are made;
+  - s24jax_export.json: the run, the step, which weights, the sparse layers' zero fractions,
+    the vocabulary padding, what the export does not carry (FP8 simulation).
+Refused, with the reason: what the class's config cannot express (MST's strided /
+local_strided attention, V:N:M activation sparsity, GPT-2 with a gated FFN). Such a run's model
+at another step (after dense fine-tuning, outside MST's sparse-attention window) may export.
+
+Import: `--config.init_from=/path/to/hf_dir` starts a new run from such a directory
+(`init_from_hf`; its config and tokenizer must be the run's, else `ExportError`), rebuilding
+what init derives from the weights (sparse layers' masks, S-STE's scale, the method's and the
+optimizer's state). Import then export is the identity on the weights of a dense run of the
+directory's vocabulary; a larger (padded) run vocabulary gets the mean row, so a padded id's
+logit is the mean logit and, by Jensen, adds at most 1/V to the softmax's normaliser (GPT-2's
+47 padded rows move log-probabilities by at most 47/50257 < 0.001 nats).
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import pathlib
+import shutil
+import sys
+import tempfile
+from typing import Any
+
+import flax
+import jax
+import numpy as np
+from absl import logging
+from safetensors import numpy as safetensors_np
+
+import s24jax
+from s24jax import errors
+from s24jax import hf_layouts
+from s24jax import model as model_lib
+from s24jax import state as state_lib
+from s24jax import trained as trained_lib
+from s24jax.data import hf_tokenizer
+from s24jax.data import tokenizer as tokenizer_lib
+from s24jax.methods import base as methods_base
+from s24jax.run_spec import RunSpec
+
+MARKER = hf_tokenizer.MARKER
+WEIGHTS = "model.safetensors"
+ExportError = hf_layouts.ExportError
+
+
+# ---------------------------------------------------------------------------------------------
+# Export.
+
+
+def write_hf_dir(out: str | os.PathLike[str], model_cfg: model_lib.ModelConfig, params: Any,
+                 sparsity: Any, tokenizer: str, about: dict[str, Any] | None = None, *,
+                 overwrite: bool = False) -> pathlib.Path:
+  """Writes the Hugging Face directory of `model_cfg` with the weights `computed_params` gives.
+  Written to a temporary folder beside `out`, renamed at the end: a failure leaves nothing."""
+  layout = hf_layouts.layout(model_cfg)
+  problems = layout.unsupported(model_cfg)
+  if problems:
+    raise ExportError(f"{layout.architecture(model_cfg)}'s config cannot express this model: "
+                      + "; ".join(problems) + ". Nothing was written.")
+  out = pathlib.Path(out).expanduser().absolute()
+  if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+    raise ExportError(f"{out} exists and is not empty (pass --overwrite to replace it)")
+  tok = tokenizer_lib.by_name(tokenizer)
+  weights = trained_lib.computed_params(model_cfg, params, sparsity)
+  state = layout.to_hf(model_cfg, weights)
+  paths = state_lib.sparse_layer_paths(sparsity) if model_cfg.sparsity.method.sparse else []
+  sparse = {state_lib.layer_name(p): {"zeros": float(np.mean(np.asarray(
+      methods_base.kernel_at(weights, p)) == 0))} for p in paths}
+  info = {
+      **(about or {}), "s24jax_version": s24jax.__version__, "tokenizer": tok.name,
+      "tokenizer_files": tokenizer == "gpt2",
+      "vocab": {"model_rows": model_cfg.vocab_size, "tokenizer_ids": tok.n_vocab,
+                "note": "rows >= tokenizer_ids are the model's padding; no token maps to them"},
+      "sparse_layers": sparse, "architecture": layout.architecture(model_cfg),
+  }
+  if tokenizer == "bytes":
+    info["token_ids"] = ("UTF-8 bytes: id = byte value 0-255 (list(text.encode('utf-8'))), "
+                         "256 = the document separator; transformers has no such tokenizer, "
+                         "none is written")
+  out.parent.mkdir(parents=True, exist_ok=True)
+  tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+  os.chmod(tmp, 0o755)   # mkdtemp's 0700 would stay on the renamed directory
+  try:
+    (tmp / "config.json").write_text(json.dumps(layout.config(model_cfg, tok.eot_token), indent=2))
+    safetensors_np.save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
+    if tokenizer == "gpt2":
+      hf_tokenizer.write_gpt2(tmp, model_cfg.seq_len)
+    (tmp / MARKER).write_text(json.dumps(info, indent=2))
+    for f in tmp.iterdir():
+      os.chmod(f, 0o644)
+    if out.exists():
+      shutil.rmtree(out)
+    os.replace(tmp, out)
+  finally:
+    if tmp.exists():
+      shutil.rmtree(tmp, ignore_errors=True)
+  return out
+
+
+def export_run(workdir: str, out: str, step: int | None = None, *,
+               overwrite: bool = False) -> dict[str, Any]:
+  """Exports the checkpoint of `step` (default: the newest) of a run's workdir to `out`."""
+  trained = trained_lib.load_run(workdir, step)
+  about = {"workdir": trained.workdir, "step": trained.step,
+           "method": trained.spec.method.name, "model": trained.model_cfg.describe(),
+           "weights": trained_lib.weights_statement(trained)}
+  try:
+    path = write_hf_dir(out, trained.model_cfg, trained.params, trained.sparsity,
+                        trained.tokenizer, about, overwrite=overwrite)
+  except ExportError as e:
+    raise ExportError(f"{trained.workdir} at step {trained.step}: {e}") from None
+  return {**about, "out": str(path)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Import.
+
+
+def read_hf_dir(path: str | os.PathLike[str], model_cfg: model_lib.ModelConfig,
+                tokenizer: str) -> dict[str, np.ndarray]:
+  """The Hugging Face state dict of a local directory, after checking its config.json against the
+  run's model and its tokenizer against the run's (ExportError otherwise)."""
+  path = pathlib.Path(path).expanduser()
+  layout = hf_layouts.layout(model_cfg)
+  arch = layout.architecture(model_cfg)
+  if not (path / "config.json").is_file():
+    raise ExportError(f"init_from={str(path)!r}: no config.json there; expected a local "
+                      f"{arch} directory (save_pretrained, or python -m s24jax.export)")
+  cfg = hf_tokenizer.read_json(path / "config.json")
+  wrong = layout.config_problems(cfg, model_cfg)
+  if wrong:
+    raise ExportError(f"{path}/config.json does not describe the run's model ({arch}): "
+                      f"{'; '.join(wrong)}")
+  try:
+    hf_tokenizer.check(path, tokenizer)
+  except hf_tokenizer.TokenizerFilesError as e:
+    raise ExportError(f"init_from: {e}; the run refuses to start from it") from e
+  eps = cfg.get("layer_norm_epsilon", 1e-5)
+  if layout is hf_layouts.GPT2 and eps != hf_layouts.LAYER_NORM_EPS:
+    logging.warning("%s: layer_norm_epsilon %g; s24jax's LayerNorm uses %g (a small change of "
+                    "the function)", path, eps, hf_layouts.LAYER_NORM_EPS)
+  index = path / "model.safetensors.index.json"
+  if (path / WEIGHTS).is_file():
+    files = [path / WEIGHTS]
+  elif index.is_file():
+    files = sorted({path / f for f in hf_tokenizer.read_json(index)["weight_map"].values()})
+  else:
+    raise ExportError(f"{path}: no {WEIGHTS} (or sharded model.safetensors.index.json); "
+                      "s24jax reads safetensors only (save_pretrained writes it)")
+  state = {}
+  for f in files:
+    try:
+      state.update(safetensors_np.load_file(str(f)))
+    except Exception as e:  # pylint: disable=broad-except
+      raise ExportError(f"{f}: cannot be read as safetensors ({e})") from None
+  head = state.get("lm_head.weight")
+  wte = state.get("transformer.wte.weight", state.get("wte.weight"))
+  if (layout is hf_layouts.GPT2 and head is not None and wte is not None
+      and not np.array_equal(head, wte)):
+    raise ExportError(f"{path}: lm_head.weight differs from the token embedding; s24jax ties "
+                      "them")
+  return state
+
+
+def load_hf_params(model_cfg: model_lib.ModelConfig, params: Any, path: str,
+                   tokenizer: str = "gpt2") -> Any:
+  """The weights of the Hugging Face directory at `path` as params shaped like `params` (a fresh state's, or their
+  ShapeDtypeStructs), after the checks of read_hf_dir."""
+  state = read_hf_dir(path, model_cfg, tokenizer)
+  return hf_layouts.layout(model_cfg).from_hf(model_cfg, state, params, str(path))
+
+
+def check_init_from(spec: RunSpec) -> None:
+  """ExportError unless the run's config.init_from (if set) is a directory the run can start
+  from: its config, tokenizer and tensors (for validation, before anything is written)."""
+  if spec.config.get("init_from"):
+    load_hf_params(spec.model_cfg, spec.abstract_state.params, spec.config.init_from,
+                   _tokenizer(spec))
+
+
+def _tokenizer(spec: RunSpec) -> str:
+  return str(spec.config.data.get("tokenizer", "gpt2") or "gpt2")
+
+
+def _with_params(spec: RunSpec, state: state_lib.TrainState, params: Any):
+  """The fresh state rebuilt around `params`: each sparse layer's state (init_layer, as
+  model.init does), the method's (init_state, with fresh_state's key), the optimizer's."""
+  method = spec.model_cfg.sparsity.method
+  sparsity = flax.core.unfreeze(jax.tree.map(lambda x: x, state.sparsity))
+  if method.sparse and sparsity:
+    for path in state_lib.sparse_layer_paths(sparsity):
+      kernel = methods_base.kernel_at(params, path)
+      layer = methods_base.per_layer(method.init_layer)(kernel)
+      state_lib.get_path(sparsity, path[:-1])[path[-1]] = dict(layer)
+  init_rng, _ = jax.random.split(jax.random.PRNGKey(spec.config.seed))
+  params, sparsity, method_state = method.init_state(params, sparsity,
+                                                     jax.random.fold_in(init_rng, 1))
+  tx = spec.tx(params, sparsity)
+  return state.replace(params=params, sparsity=sparsity, method_state=method_state,
+                       opt_state=tx.init(params))
+
+
+def init_from_hf(spec: RunSpec, state: state_lib.TrainState, path: str, *,
+                 shardings: Any = None) -> state_lib.TrainState:
+  """A new run's fresh `state` started from the Hugging Face directory at `path` (module
+  docstring), with `shardings` (the fresh state's) for the result."""
+  params = load_hf_params(spec.model_cfg, state.params, path, _tokenizer(spec))
+  logging.info("init_from %s: the run starts from its weights", path)
+  fn = jax.jit(functools.partial(_with_params, spec), out_shardings=shardings)
+  return fn(state, params)
+
+
+# ---------------------------------------------------------------------------------------------
+# The command line.
+
+
+def main(argv: list[str] | None = None) -> int:
+  p = argparse.ArgumentParser(prog="python -m s24jax.export",
+                              description="Writes a run's model as a Hugging Face transformers directory.")
+  p.add_argument("--workdir", required=True, help="the run's workdir")
+  p.add_argument("--out", required=True, help="the directory to write (new or empty)")
+  p.add_argument("--step", type=int, default=None, help="the checkpoint (default: the newest)")
+  p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+  args = p.parse_args(argv)
+  try:
+    info = export_run(args.workdir, args.out, args.step, overwrite=args.overwrite)
+  except errors.KnownError as e:
+    print(f"s24jax.export: {e}", file=sys.stderr)
+    return e.exit_code
+  print(f"wrote {info['out']}: {info['model']}, step {info['step']}\n"
+        f"weights: {info['weights']}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

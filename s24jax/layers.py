@@ -1,0 +1,105 @@
+"""What both model families share: the compute dtype, attention (cuDNN flash attention where
+available, MST's sparse patterns, grouped-query heads), the residual projections' init, the
+FFN's activation sparsity, and the blocks unrolled or scanned with rematerialization.
+
+GPT-2 (s24jax/model.py) and the Llama-style family (s24jax/llama.py) are built from these and
+from the sparse layers of s24jax/sparse_linear.py; `cfg` is the frozen `model.ModelConfig`.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from s24jax import act_sparsity
+from s24jax import attention_masks
+from s24jax.sparse_linear import SparseLinear
+
+# Rematerialisation of each block's activations in the backward pass (jax.checkpoint):
+# 'save_dots' keeps the outputs of the weight matmuls and recomputes the rest (attention
+# softmax, activations, norms); 'full' keeps only the block input.
+REMAT_POLICIES = {"none": None, "full": None,
+                  "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+# The variable collections a scanned block stacks along its leading (layer) axis.
+SCANNED_COLLECTIONS = {"params": 0, "sparsity": 0, "prepared": 0, "intermediates": 0}
+
+
+def compute_dtype(name: str) -> jnp.dtype:
+  """'auto' is bfloat16 on accelerators and float32 on CPU (no fast bf16 matmul there)."""
+  if name == "auto":
+    return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+  return jnp.dtype(name)
+
+
+def attention_implementation(cfg: Any) -> str:
+  """'cudnn' or 'xla' for jax.nn.dot_product_attention. 'auto' asks the backend, which is
+  the CPU while compiling devicelessly for a GPU: the planner sets 'cudnn' explicitly."""
+  if cfg.attention_impl != "auto":
+    return cfg.attention_impl
+  return "cudnn" if cfg.attention == "causal" and jax.default_backend() == "gpu" else "xla"
+
+
+def attend(cfg: Any, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+  """Causal attention of q (B, T, N, hd) over k, v (B, T, K, hd), N a multiple of K (grouped-
+  query heads share their key/value head): dense causal, or the model's sparse pattern
+  (MST's Hybrid Sparse Attention, which includes causality). -> (B, T, N, hd)."""
+  if cfg.attention == "causal":
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                        implementation=attention_implementation(cfg))
+  mask = attention_masks.attention_mask(cfg.attention, q.shape[1], cfg.attention_stride)  # (T, T)
+  return jax.nn.dot_product_attention(q, k, v, mask=mask[None, None])
+
+
+def residual_projection(cfg: Any, features: int, name: str, **kwargs) -> SparseLinear:
+  """The linear layer writing into the residual stream, initialised with std
+  0.02 / sqrt(2 L) (GPT-2: the residual sum over 2 L layers keeps its scale)."""
+  return SparseLinear(features, cfg.sparsity, dtype=compute_dtype(cfg.dtype),
+                      kernel_init=nn.initializers.normal(0.02 / math.sqrt(2 * cfg.num_layers)),
+                      name=name, **kwargs)
+
+
+def sparse_activations(module: nn.Module, cfg: Any, h: jax.Array):
+  """The FFN's hidden activations h (B, T, H) as the second matmul takes them: V:N:M sparse
+  with the activation backend's matmul under activation sparsity (Haziza et al.), else
+  unchanged with the layer's own matmul (None). Sows the activation statistics when the
+  'intermediates' collection is mutable (act_sparsity.activation_stats only)."""
+  act = cfg.act
+  mask, matmul, h_sparse = None, None, h
+  if act.enabled:
+    h_sparse, mask, meta = act_sparsity.sparsify(h, act.v, act.n, act.m, backend=act.backend)
+    matmul = act_sparsity.act_matmul(meta, act.v, act.backend)
+  if module.is_mutable_collection("intermediates") and not module.is_initializing():
+    # Only in act_sparsity.activation_stats' forward pass; train/eval steps skip this.
+    stats = act_sparsity.activation_sparsity_stats(h, act.v, act.n, act.m, mask)
+    for name, value in stats.items():
+      module.sow("intermediates", f"act_{name}", value)
+  return (h_sparse if mask is not None else h), matmul                   # (B, T, H)
+
+
+def _scanned(block: type[nn.Module]) -> type[nn.Module]:
+  """`block` with the (carry, x) -> (carry, y) signature of nn.scan."""
+  class Scanned(block):
+    def __call__(self, x: jax.Array, _) -> tuple[jax.Array, None]:   # pylint: disable=arguments-differ
+      return super().__call__(x), None
+  Scanned.__name__ = f"Scanned{block.__name__}"
+  return Scanned
+
+
+def stack(block: type[nn.Module], cfg: Any, x: jax.Array) -> jax.Array:
+  """The L blocks of class `block`: unrolled ('h_0' ... 'h_{L-1}') or one nn.scan ('h',
+  stacked along the leading axis), each rematerialized per cfg.remat."""
+  policy = REMAT_POLICIES[cfg.remat]
+  if not cfg.scan_layers:
+    layer = block if cfg.remat == "none" else nn.remat(block, policy=policy)
+    for i in range(cfg.num_layers):
+      x = layer(cfg, name=f"h_{i}")(x)
+    return x
+  layer = (_scanned(block) if cfg.remat == "none"
+           else nn.remat(_scanned(block), policy=policy, prevent_cse=False))
+  scanned = nn.scan(layer, length=cfg.num_layers, variable_axes=SCANNED_COLLECTIONS,
+                    split_rngs={"params": True, "mvue": True})
+  x, _ = scanned(cfg, name="h")(x, None)
+  return x
