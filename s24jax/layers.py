@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from s24jax import act_sparsity
 from s24jax import attention_masks
+from s24jax import losses
 from s24jax.sparse_linear import SparseLinear
 
 # Rematerialisation of each block's activations in the backward pass (jax.checkpoint):
@@ -103,3 +104,16 @@ def stack(block: type[nn.Module], cfg: Any, x: jax.Array) -> jax.Array:
                     split_rngs={"params": True, "mvue": True})
   x, _ = scanned(cfg, name="h")(x, None)
   return x
+
+
+def logits_or_loss(cfg: Any, x: jax.Array, targets: jax.Array | None, *,
+                   logits: Any, chunked_head: Any) -> jax.Array:
+  """A model's output from its final hidden states x (B, T, C) in the compute dtype: the
+  logits (B, T, V) in float32 (`logits(x)`), or with targets (B, T) the summed token
+  cross-entropy, chunked over `chunked_head()` when `loss_chunk` (never the whole logits)."""
+  if targets is not None and cfg.loss_chunk:
+    return losses.chunked_cross_entropy_sum(x, targets, chunked_head(), cfg.loss_chunk)
+  out = logits(x).astype(jnp.float32)                                        # (B, T, V)
+  if targets is not None:
+    return losses.cross_entropy_sum(out, targets)
+  return out

@@ -25,7 +25,6 @@ import jax.numpy as jnp
 
 from s24jax import activations
 from s24jax import layers
-from s24jax import losses
 from s24jax.layers import compute_dtype
 from s24jax.sparse_linear import SparseHead, SparseLinear
 
@@ -130,9 +129,4 @@ class Llama(nn.Module):
     x = nn.RMSNorm(epsilon=cfg.norm_eps, dtype=dtype, name="norm")(x).astype(dtype)
     head = SparseHead(cfg.vocab_size, cfg.d_model, cfg.sparsity, dtype=dtype,
                       name=cfg.head_name)
-    if targets is not None and cfg.loss_chunk:
-      return losses.chunked_cross_entropy_sum(x, targets, head.head(), cfg.loss_chunk)
-    logits = head(x).astype(jnp.float32)                                     # (B, T, V)
-    if targets is not None:
-      return losses.cross_entropy_sum(logits, targets)
-    return logits
+    return layers.logits_or_loss(cfg, x, targets, logits=head, chunked_head=head.head)

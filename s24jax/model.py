@@ -23,7 +23,6 @@ from s24jax import activations
 from s24jax import attention_masks
 from s24jax import layers
 from s24jax import llama
-from s24jax import losses
 from s24jax import state as state_lib
 from s24jax.methods import base as methods_base
 from s24jax.methods import registry
@@ -221,14 +220,8 @@ class GPT2(nn.Module):
     wpe = self.param("wpe", nn.initializers.normal(0.01), (cfg.seq_len, cfg.d_model))
     x = (wte(tokens) + wpe[:T]).astype(dtype)                                 # (B, T, C)
     x = layers.stack(Block, cfg, x)                                           # (B, T, C)
-    x = nn.LayerNorm(dtype=dtype, name="ln_f")(x)
-    if targets is not None and cfg.loss_chunk:
-      return losses.chunked_cross_entropy_sum(x.astype(dtype), targets, wte.head(),
-                                              cfg.loss_chunk)
-    logits = wte.attend(x.astype(dtype)).astype(jnp.float32)                  # (B, T, V)
-    if targets is not None:
-      return losses.cross_entropy_sum(logits, targets)
-    return logits
+    x = nn.LayerNorm(dtype=dtype, name="ln_f")(x).astype(dtype)
+    return layers.logits_or_loss(cfg, x, targets, logits=wte.attend, chunked_head=wte.head)
 
 
 def build(cfg: ModelConfig) -> nn.Module:

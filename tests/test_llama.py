@@ -131,11 +131,11 @@ def test_scanned_remat_chunked_llama_equals_the_plain_model():
 @pytest.mark.parametrize("recipe", ["dense", "ste", "sr_ste", "t_sr_ste_df", "s_ste",
                                     "relu2_dense", "venom", "mst"])
 def test_every_recipe_trains_on_the_llama_family(recipe):
-  """Each llama_*.py recipe (its small variant, shortened) takes 4 jitted steps: finite,
-  falling loss; its sparse layers are the family's FFN matrices (MST: every linear layer and
-  the untied head)."""
+  """Each llama_*.py recipe (its small variant, shortened to one layer) takes 4 jitted
+  steps: finite, falling loss; its sparse layers are the family's FFN matrices (MST: every
+  linear layer and the untied head)."""
   c = config_files.load_config(os.path.join(REPO, "experiments", f"llama_{recipe}.py") + ":small",
-                               args=["batch_size=4", "model.seq_len=32", "model.num_layers=2",
+                               args=["batch_size=4", "model.seq_len=32", "model.num_layers=1",
                                      "total_steps=8"])
   spec = RunSpec.build(c)
   assert spec.model_cfg.family == "llama"
@@ -143,10 +143,10 @@ def test_every_recipe_trains_on_the_llama_family(recipe):
   if recipe in ("dense", "relu2_dense"):
     assert not sparse
   elif recipe == "mst":
-    assert "lm_head" in sparse and "h_0/attn/q" in sparse and "h_1/mlp/gate" in sparse
+    assert "lm_head" in sparse and "h_0/attn/q" in sparse and "h_0/mlp/gate" in sparse
   else:
     ffn = {"up", "down"} | ({"gate"} if recipe != "venom" else set())
-    assert sparse == {f"h_{i}/mlp/{m}" for i in range(2) for m in ffn}, sparse
+    assert sparse == {f"h_0/mlp/{m}" for m in ffn}, sparse
   model = model_lib.build(spec.model_cfg)
   state = jax.jit(lambda: spec.fresh_state(0))()
   tx = spec.tx(state.params, state.sparsity)

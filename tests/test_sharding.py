@@ -19,6 +19,11 @@ from tiny import tiny_config
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _devices(n: int) -> str:
+  """XLA_FLAGS for n CPU devices, keeping the suite's (conftest.py)."""
+  return f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n}".strip()
+
+
 def _losses(workdir, key="train/loss"):
   out = {}
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
@@ -70,7 +75,7 @@ def test_four_devices_match_one_device(tmp_path, data_cache):
   loop.train_and_evaluate(tiny_config("sr_ste", steps=4, workdir_cache=data_cache,
                                       overrides={"sparsity.sr_ste.decay": 1e-2}), one)
   four = str(tmp_path / "four")
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+  env = dict(os.environ, XLA_FLAGS=_devices(4), JAX_PLATFORMS="cpu")
   script = _MULTI.format(tests=os.path.join(REPO, "tests"), cache=data_cache, workdir=four)
   subprocess.run([sys.executable, "-c", script], check=True, env=env, cwd=REPO, timeout=600)
   l1, l4 = _losses(one), _losses(four)
@@ -99,7 +104,7 @@ def test_fsdp_over_8_devices_matches_one_device_and_resumes_on_one(tmp_path, dat
   loop.train_and_evaluate(tiny_config("s_ste", steps=4, workdir_cache=data_cache,
                                       overrides=overrides), one)
   eight = str(tmp_path / "eight")
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+  env = dict(os.environ, XLA_FLAGS=_devices(8),
              JAX_PLATFORMS="cpu")
   script = _FSDP.format(tests=os.path.join(REPO, "tests"), cache=data_cache, workdir=eight,
                         stop=3)
@@ -140,13 +145,13 @@ def test_two_processes_on_localhost_match_one_process(tmp_path):
       launch + args + ["--workdir", str(tmp_path / "two"), "--distributed",
                        f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
                        f"--process_id={i}"],
-      env=dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=2"), cwd=REPO,
+      env=dict(env, XLA_FLAGS=_devices(2)), cwd=REPO,
       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
   outs = [p.communicate(timeout=900)[0] for p in procs]
   assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
   assert "4 cpu device(s) in 2 process(es)" in outs[0]
   subprocess.run(launch + args + ["--workdir", str(tmp_path / "one")], check=True, cwd=REPO,
-                 env=dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=4"),
+                 env=dict(env, XLA_FLAGS=_devices(4)),
                  timeout=900, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   two, one = _losses(str(tmp_path / "two")), _losses(str(tmp_path / "one"))
   assert sorted(two) == [1, 2, 3]

@@ -36,6 +36,11 @@ from tiny import tiny_config
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def _devices(n: int) -> str:
+  """XLA_FLAGS for n CPU devices, keeping the suite's (conftest.py)."""
+  return f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n}".strip()
+
+
 def _normal(seed, shape, dtype=jnp.float32):
   return jax.random.normal(jax.random.key(seed), shape, dtype)
 
@@ -218,7 +223,7 @@ def test_under_a_mesh_each_device_runs_its_own_shard(tmp_path, data_cache):
   """4 data-parallel devices: the cusparselt op runs under shard_map (each device its own
   tokens), and the losses equal the xla backend's, with FP8 too (one per-tensor scale over
   the devices' shards, as on 'xla')."""
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+  env = dict(os.environ, XLA_FLAGS=_devices(4),
              JAX_PLATFORMS="cpu")
   script = _MESH.format(tests=os.path.join(REPO, "tests"), cache=data_cache)
   run = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO, timeout=600,
