@@ -121,8 +121,8 @@ FAMILIES = ("gpt2", "llama")   # experiments/<family>_<recipe>.py
 
 
 def run_config(name: str, variant: str, family: str = "gpt2") -> tuple[str, dict]:
-  stem, overrides = RUNS[name]
-  return f"experiments/{family}_{stem}.py:{variant}", overrides
+  stem, overrides = RUNS[name]   # the file by its absolute path: any working directory
+  return os.path.join(ROOT, "experiments", f"{family}_{stem}.py") + f":{variant}", overrides
 
 
 def variant_steps(variant: str, family: str = "gpt2") -> int:
