@@ -69,6 +69,17 @@ def sibling_config(file: str, name: str, variant: str | None = None, **kwargs
   return module.get_config(variant, **kwargs)
 
 
+def get_field(config: Any, dotted: str, default: Any = None) -> Any:
+  """config's field at 'path.to.field' (through ConfigDicts and dicts), or `default` if any
+  part of the path is missing."""
+  node = config
+  for part in dotted.split("."):
+    if not isinstance(node, (ml_collections.ConfigDict, dict)) or part not in node:
+      return default
+    node = node[part]
+  return node
+
+
 def split_override(item: str) -> tuple[str, str]:
   """'a.b=text' -> ('a.b', 'text')."""
   key, eq, text = item.partition("=")

@@ -48,7 +48,6 @@ class RunError(errors.UserError):
   """A workdir, config or checkpoint that cannot be loaded (the message says why)."""
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Trained:
   """A run's checkpoint, restored read-only, and the model of its step."""
@@ -73,7 +72,8 @@ def config_from_json(data: dict[str, Any]) -> ml_collections.ConfigDict:
   def walk(node, prefix=""):
     for k, v in node.items():
       key = f"{prefix}{k}"
-      if isinstance(v, dict) and isinstance(_get(config, key), ml_collections.ConfigDict):
+      current = config_files.get_field(config, key)
+      if isinstance(v, dict) and isinstance(current, ml_collections.ConfigDict):
         walk(v, key + ".")
       else:
         overrides[key] = v
@@ -81,15 +81,6 @@ def config_from_json(data: dict[str, Any]) -> ml_collections.ConfigDict:
   walk(data)
   config.lock()
   return config_files.apply_overrides(config, overrides)
-
-
-def _get(config, key):
-  node = config
-  for part in key.split("."):
-    if not isinstance(node, ml_collections.ConfigDict) or part not in node:
-      return None
-    node = node[part]
-  return node
 
 
 def load_run(workdir: str, step: int | None = None) -> Trained:

@@ -140,14 +140,6 @@ FIELD_RULES: tuple[tuple[str, Callable[[Any], str | None]], ...] = (
 )
 
 
-def _get(config, dotted: str, default=None):
-  node = config
-  for part in dotted.split("."):
-    if not isinstance(node, (ml_collections.ConfigDict, dict)) or part not in node:
-      return default
-    node = node[part]
-  return node
-
 
 _MISSING = object()
 
@@ -155,21 +147,23 @@ _MISSING = object()
 def check_fields(config: ml_collections.ConfigDict) -> None:
   """Values and ranges of the run's fields (a field the config lacks is not checked)."""
   for field, rule in FIELD_RULES:
-    value = _get(config, field, _MISSING)
+    value = config_files.get_field(config, field, _MISSING)
     if value is _MISSING:
       continue
     want = rule(value)
     if want:
       raise UserError(f"config.{field}={value!r}: must be {want}")
-  lr, min_lr = _get(config, "optim.lr"), _get(config, "optim.min_lr")
+  lr = config_files.get_field(config, "optim.lr")
+  min_lr = config_files.get_field(config, "optim.min_lr")
   if _number(lr) and _number(min_lr) and min_lr > lr:
     raise UserError(f"config.optim.min_lr={min_lr!r} is above config.optim.lr={lr!r}: the "
                     "schedule decays from lr to min_lr (min_lr <= lr)")
-  stop, total = _get(config, "stop_at_step", -1), _get(config, "total_steps")
+  stop = config_files.get_field(config, "stop_at_step", -1)
+  total = config_files.get_field(config, "total_steps")
   if stop != -1 and not (isinstance(stop, int) and 1 <= stop <= total):
     raise UserError(f"config.stop_at_step={stop!r}: must be -1 (off) or a step in [1, "
                     f"total_steps={total}]")
-  dtype = _get(config, "model.dtype", "auto")
+  dtype = config_files.get_field(config, "model.dtype", "auto")
   if dtype != "auto":
     try:
       ok = jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
@@ -193,7 +187,7 @@ def check_batch(config, num_devices: int) -> None:
 
 
 def _mesh(config, devices) -> Any:
-  mesh_cfg = _get(config, "mesh")
+  mesh_cfg = config_files.get_field(config, "mesh")
   with errors.user_errors(context="config.mesh: "):
     return sharding.make_mesh(mesh_cfg, devices)
 
