@@ -39,7 +39,9 @@ import pytest  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-po
 
 for _name in ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
               "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"):   # also if jax was imported first
-  jax.config.update(_name.lower(), type(getattr(jax.config, _name.lower()))(os.environ[_name]))
+  _now = getattr(jax.config, _name.lower())   # None: unset when jax was imported (a -p plugin)
+  jax.config.update(_name.lower(), os.environ[_name] if _now is None else
+                    type(_now)(os.environ[_name]))
 
 
 def pytest_collection_modifyitems(config, items):

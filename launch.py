@@ -29,9 +29,16 @@ Exit codes (README.md, "Exit codes"; docs/resuming.md):
   4   a non-finite loss or gradient norm stopped the run; nothing non-finite was saved, the
       message names the step and the last good checkpoint
   5   a checkpoint could not be saved (a full disk: the message names the step, its path and
-      the previous checkpoint, which is intact) or none in the workdir can be read
-  75  stopped by SIGTERM or SIGINT after saving the checkpoint of the step it was on:
-      re-run the same command (requeue the job) to resume
+      the previous checkpoint, which is intact) or none in the workdir can be read; or another
+      write of the run failed after the checks (a full disk, a folder made read-only): one
+      line, the complete checkpoints intact
+  75  stopped by SIGTERM or SIGINT after saving the checkpoint of the step it was on (or,
+      outside the training loop, with nothing lost): re-run the same command (requeue the
+      job) to resume
+
+Before anything is written, every place the run writes is checked (s24jax/destinations.py):
+the workdir (the lock, written whole, is the first write; each entry of the run's of its
+kind), its free space, the token cache's folder when the cache must be built.
 
 The terminal shows the progress bar, s24jax's own messages and every warning; the INFO logs
 of the libraries (Orbax, JAX, TFDS, ...), and their tracebacks, go to <workdir>/train.log with
@@ -40,11 +47,27 @@ error leaves no log behind.
 """
 import logging as std_logging
 import os
+import signal
 import sys
 
+
+def _stop_while_importing(signum, frame) -> None:
+  """Ctrl-C during the imports (seconds, much of it in C extensions, where a KeyboardInterrupt
+  turns into an ImportError, or worse): one line and out; nothing was written yet."""
+  del signum, frame
+  os.write(2, b"launch.py: stopped by SIGINT while starting; nothing was written. Run the "
+           b"same command again to start.\n")
+  os._exit(75)   # errors.EXIT_PREEMPTED (s24jax is not imported yet)  pylint: disable=protected-access
+
+
+if __name__ == "__main__":
+  _default_sigint = signal.signal(signal.SIGINT, _stop_while_importing)
+
+# pylint: disable=wrong-import-position
 import jax
 from absl import app, flags, logging
 
+from s24jax import destinations
 from s24jax import errors
 from s24jax import loop
 from s24jax import validate
@@ -52,6 +75,10 @@ from s24jax import workdir as workdir_lib
 from s24jax.kernels import aot
 from s24jax.kernels.cusparselt import library as cusparselt_library
 from s24jax.kernels.cusparselt import ops as cusparselt_ops
+# pylint: enable=wrong-import-position
+
+if __name__ == "__main__":
+  signal.signal(signal.SIGINT, _default_sigint)   # KeyboardInterrupt again: main() says it
 
 _CONFIG = flags.DEFINE_string("config", None, "Experiment config file[:variant]; "
                               "--config.path.to.field=value overrides a field (repeatable).")
@@ -199,6 +226,16 @@ def _route_logs(workdir: str, process: int = 0, held: _Held | None = None) -> st
 
 
 def main(argv):
+  try:
+    _main(argv)
+  except KeyboardInterrupt:   # outside the training loop, whose signals preemption.py handles
+    logging.warning("stopped by SIGINT outside the training loop; the checkpoints already "
+                    "written are intact. Run the same command again (exit code %d)",
+                    errors.EXIT_PREEMPTED)
+    sys.exit(errors.EXIT_PREEMPTED)
+
+
+def _main(argv):
   if len(argv) > 1:
     _usage_error(f"unexpected arguments: {argv[1:]} (a field is set with "
                  "--config.path.to.field=value)")
@@ -261,19 +298,37 @@ def _train(config, workdir: str, distributed: bool, process: int, held: _Held, *
   except (cusparselt_ops.UnsupportedDevice, cusparselt_library.Unavailable) as e:
     logging.error("%s (exit code %d)", " ".join(str(e).split()), errors.EXIT_USER)
     return errors.EXIT_USER
-  except Exception:  # pylint: disable=broad-except
+  except Exception as e:  # pylint: disable=broad-except
+    if destinations.is_write_error(e, under=workdir):   # a full disk, a read-only folder
+      error = destinations.write_failed(
+          e, f"the run's files in {workdir}", "The checkpoints already complete are intact: "
+          "fix the folder (or free space) and run the same command again to resume")
+      logging.error("%s (exit code %d)", error, error.exit_code)
+      return error.exit_code
     if not log_path and os.path.isdir(workdir):
-      start()   # an internal error: its traceback belongs in train.log too
+      try:
+        start()   # an internal error: its traceback belongs in train.log too
+      except OSError:
+        pass
     logging.exception("internal error (exit code %d): the traceback below is s24jax's or a "
                       "library's, not a mistake in the command line", errors.EXIT_CRASH)
     return errors.EXIT_CRASH
   finally:
     std_logging.getLogger().removeHandler(held)
-  logging.info("done at step %s: train loss %.4f, val loss %.4f (unigram entropy %.3f)",
-               final.get("step"), final.get("train/loss", float("nan")),
-               final.get("val/loss", float("nan")),
-               final.get("data/unigram_entropy", float("nan")))
+  logging.info("%s", done_line(final, config))
   return errors.EXIT_OK
+
+
+def done_line(final: dict, config) -> str:
+  """The run's last line: the step it stopped at and the losses it logged."""
+  stopped = "step" not in final   # stop_at_step: the finals of a finished run are not written
+  step = int(final.get("step", config.get("stop_at_step", -1)))
+  losses = ", ".join(f"{name} {final[key]:.4f}" for name, key in (
+      ("train loss", "train/loss"), ("val loss", "val/loss")) if key in final)
+  entropy = (f" (unigram entropy {final['data/unigram_entropy']:.3f})"
+             if "data/unigram_entropy" in final else "")
+  what = (f"stopped at step {step} (config.stop_at_step)" if stopped else f"done at step {step}")
+  return f"{what}: {losses or 'nothing logged yet'}{entropy}"
 
 
 if __name__ == "__main__":

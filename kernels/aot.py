@@ -29,9 +29,16 @@ Facts this relies on (jax / jaxlib / jax-cuda13-plugin 0.10.2):
     the first target seen: compile for one GPU per process.
   * While tracing, jax.default_backend() is 'cpu': code that picks interpret mode or a
     dtype from it must be told the target (the kernels take interpret=False).
+  * Which GPU a Pallas Triton kernel is lowered for: jax 0.10.2 asks for a local GPU and,
+    without one, lowers for compute capability 9.0; jax 0.11.x and 0.12.x ask the abstract
+    mesh's `AbstractDevice`, else the default device (here the compile-only device
+    `compile_for_gpu` makes the default), and without either refuse ("No supported GPU
+    devices found, please specify an abstract GPU device"). `abstract_gpu` names one, for
+    lowering without the plugin (the kernels' lowering tests).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -181,6 +188,35 @@ def compile_for_gpu(fn: Callable, *args, gpu: str, **kwargs):
     return lowered, lowered.compile()
 
 
+def device_kind(gpu: str) -> str:
+  """The named GPU's device kind, as jax reports it ("NVIDIA H100 80GB HBM3"): the
+  `device_description_str` of its target config."""
+  m = re.search(r'^device_description_str:\s*"([^"]+)"', target(gpu).config_text(), re.M)
+  if m is None:
+    raise ValueError(f"{target(gpu).config_path} names no device_description_str")
+  return m.group(1)
+
+
+@contextlib.contextmanager
+def abstract_gpu(gpu: str = "h100"):
+  """Lowering for the named GPU on a machine without one, and without the CUDA plugin:
+  `jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))` inside this context runs
+  every Pallas Triton lowering rule. Nothing is compiled (no ptxas: `compile_for_gpu` does).
+
+  jax 0.11.x / 0.12.x read the GPU a Triton kernel is lowered for from the abstract mesh's
+  `jax.sharding.AbstractDevice` (jax/_src/pallas/triton/gpu_info.py, `get_device_kind`), and
+  without a GPU refuse to lower unless one is named. jax 0.10.2 ignores it and lowers for
+  compute capability 9.0 whatever the GPU (its fallback without a GPU), so the same code runs
+  on all three; only with jax >= 0.11 does `gpu` change the lowering. The mesh has no axes:
+  it names the device and shards nothing.
+  """
+  device = jax.sharding.AbstractDevice(device_kind=device_kind(gpu), num_cores=None,
+                                       platform="gpu")
+  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (),
+                                                                abstract_device=device)):
+    yield
+
+
 def memory_report(compiled) -> dict[str, int]:
   """Bytes per device from XLA's buffer assignment (exact for arguments and outputs; no
   CUDA context, library workspaces or allocator fragmentation)."""
@@ -322,8 +358,9 @@ def ptx_files(dump_dir: str | os.PathLike) -> list[pathlib.Path]:
 
 
 __all__ = [
-    "INSTALL_HINT", "MMA_PATTERNS", "SASS_MMA", "KernelResources", "PluginMissing", "TARGETS", "abstract",
-    "check_plugin", "compile_for_gpu", "cpu_unless_gpu", "devices", "flops", "memory_report", "mesh",
-    "mma_instructions", "nvidia_driver_present", "plugin_available", "ptx_files",
-    "ptxas_path", "ptxas_report", "spec", "start",
+    "INSTALL_HINT", "MMA_PATTERNS", "SASS_MMA", "KernelResources", "PluginMissing", "TARGETS",
+    "abstract", "abstract_gpu", "check_plugin", "compile_for_gpu", "cpu_unless_gpu",
+    "device_kind", "devices", "flops", "memory_report", "mesh", "mma_instructions",
+    "nvidia_driver_present", "plugin_available", "ptx_files", "ptxas_path", "ptxas_report",
+    "spec", "start",
 ]

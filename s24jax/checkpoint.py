@@ -19,7 +19,9 @@ What happens to each kind of bad checkpoint (docs/resuming.md):
 """
 from __future__ import annotations
 
+import contextlib
 import errno
+import logging as std_logging
 import math
 import os
 import shutil
@@ -114,20 +116,43 @@ def find_mismatch(directory: str, state: Any) -> tuple[int, str] | None:
   Reads only: the directory is opened read-only, nothing is created or removed."""
   if not os.path.isdir(directory):
     return None
-  manager = ocp.CheckpointManager(
-      directory, item_handlers=ocp.StandardCheckpointHandler(),
-      options=ocp.CheckpointManagerOptions(read_only=True, create=False,
-                                           enable_async_checkpointing=False))
+  # Orbax's notes on a read-only manager ("Given directory is read only") and on a damaged
+  # checkpoint's metadata are not for the user: restore_or_init reports damage in one line.
+  with _library_logs_at(std_logging.CRITICAL):
+    manager = ocp.CheckpointManager(
+        directory, item_handlers=ocp.StandardCheckpointHandler(),
+        options=ocp.CheckpointManagerOptions(read_only=True, create=False,
+                                             enable_async_checkpointing=False))
+    try:
+      for step in sorted(manager.all_steps(), reverse=True):
+        tree = _metadata_tree(manager, step)
+        if tree is None:
+          continue   # damaged: restore_or_init sets it aside
+        diff = state_difference(tree, state)
+        return (step, diff) if diff else None
+      return None
+    finally:
+      manager.close()
+
+
+@contextlib.contextmanager
+def _library_logs_at(level: int):
+  """Orbax's log records (absl's logger) below `level` dropped inside the block."""
+  logger = std_logging.getLogger("absl")
+  old = logger.level
+  logger.setLevel(level)
   try:
-    for step in sorted(manager.all_steps(), reverse=True):
-      tree = _metadata_tree(manager, step)
-      if tree is None:
-        continue   # damaged: restore_or_init sets it aside
-      diff = state_difference(tree, state)
-      return (step, diff) if diff else None
-    return None
+    yield
   finally:
-    manager.close()
+    logger.setLevel(old)
+
+
+def newest_step_on_disk(workdir: str) -> int | None:
+  """The newest checkpoint's step in the workdir, by its folder's name (None: none), read
+  without opening Orbax."""
+  directory = os.path.join(workdir, CHECKPOINTS)
+  steps = [int(n) for n in os.listdir(directory) if n.isdigit()] if os.path.isdir(directory) else []
+  return max(steps, default=None)
 
 
 def checkpoint_bytes(state: Any) -> int:
@@ -213,8 +238,7 @@ class Checkpointer:
         restored = self.manager.restore(step, args=ocp.args.StandardRestore(abstract))
       except Exception as e:  # pylint: disable=broad-except
         logging.warning("CHECKPOINT DAMAGED: the checkpoint at step %d in %s cannot be read "
-                        "(%s: %s); trying the one before it.", step, self.directory,
-                        type(e).__name__, str(e)[:500])
+                        "(%s); trying the one before it.", step, self.directory, reason(e))
         damaged.append(step)
         continue
       if damaged:

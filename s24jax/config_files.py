@@ -20,6 +20,11 @@ Every such problem raises `OverrideError` (a ValueError).
 Overrides given as Python values (`load_config(spec, {"seed": 1})`, the comparison scripts) are
 type-checked the same way. The config is locked: no override or later code can add a field.
 This module imports no data pipeline, model or tool (it reads experiment files only).
+
+A config file that cannot be run is a `ConfigFileError` (a UserError: one line naming the file
+and, for an exception in its code, the line it came from): a file that does not parse, an
+import that fails in it, no `get_config`, an exception inside `get_config` (its own ValueError
+or TypeError, e.g. an unknown variant, keeps its message and type).
 """
 from __future__ import annotations
 
@@ -27,9 +32,12 @@ import ast
 import difflib
 import importlib.util
 import os
+import traceback
 from typing import Any, Iterable, Mapping
 
 import ml_collections
+
+from s24jax import errors
 
 _MISSING = object()
 
@@ -38,19 +46,57 @@ class OverrideError(ValueError):
   """An override names no field, or its value does not fit the field."""
 
 
+class ConfigFileError(errors.UserError):
+  """A config file that cannot be run (module docstring)."""
+
+
+def _origin(e: BaseException, path: str) -> str:
+  """' (at FILE:LINE)': the deepest line of the config file `path` the exception went
+  through, else the deepest line of Python source (not the import machinery's)."""
+  frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith("<")]
+  ours = [f for f in frames if os.path.abspath(f.filename) == os.path.abspath(path)]
+  frame = (ours or frames or [None])[-1]
+  return f" (at {frame.filename}:{frame.lineno})" if frame else ""
+
+
+def _get_config(path: str, variant: str | None) -> Any:
+  """Runs the config file at `path` and calls its get_config(variant)."""
+  mod_spec = importlib.util.spec_from_file_location("_s24jax_config_file", path)
+  if mod_spec is None:
+    raise ConfigFileError(f"config file {path!r}: not a Python file (expected "
+                          "FILE.py[:variant], e.g. experiments/gpt2_s_ste.py:small)")
+  module = importlib.util.module_from_spec(mod_spec)
+  try:
+    mod_spec.loader.exec_module(module)
+  except SyntaxError as e:
+    raise ConfigFileError(f"config file {e.filename or path}:{e.lineno}: {e.msg}") from e
+  except errors.KnownError:
+    raise
+  except Exception as e:  # pylint: disable=broad-except
+    raise ConfigFileError(f"config file {path}: running it raised {type(e).__name__}: "
+                          f"{e}{_origin(e, path)}") from e
+  get_config = getattr(module, "get_config", None)
+  if not callable(get_config):
+    raise ConfigFileError(f"config file {path} defines no get_config(variant=None) returning "
+                          "an ml_collections.ConfigDict (as experiments/gpt2_ste.py does)")
+  try:
+    return get_config(variant or None)
+  except (errors.KnownError, ValueError, TypeError):
+    raise   # the file's own messages for the user (e.g. an unknown variant)
+  except Exception as e:  # pylint: disable=broad-except
+    raise ConfigFileError(f"config file {path}: get_config({variant or None!r}) raised "
+                          f"{type(e).__name__}: {e}{_origin(e, path)}") from e
+
+
 def load_config(spec: str, overrides: Mapping[str, Any] | None = None, *,
                 args: Iterable[str] = ()) -> ml_collections.ConfigDict:
   """`get_config(variant)` of `path/to/file.py[:variant]`, with `overrides` (dotted path ->
   Python value) and then `args` ('dotted.path=text', parsed by `parse_overrides`) applied."""
   path, _, variant = spec.partition(":")
-  mod_spec = importlib.util.spec_from_file_location("_s24jax_config_file", path)
-  if mod_spec is None:
-    raise FileNotFoundError(f"config file {path!r}: not a Python file")
-  module = importlib.util.module_from_spec(mod_spec)
-  mod_spec.loader.exec_module(module)
-  config = module.get_config(variant or None)
+  config = _get_config(path, variant)
   if not isinstance(config, ml_collections.ConfigDict):
-    raise TypeError(f"{path}: get_config() returned {type(config).__name__}, not a ConfigDict")
+    raise ConfigFileError(f"{path}: get_config() returned {type(config).__name__}, not a "
+                          "ConfigDict")
   config.lock()
   apply_overrides(config, overrides or {})
   apply_overrides(config, parse_overrides(config, args))

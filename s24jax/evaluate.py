@@ -8,7 +8,9 @@ files (s24jax/data/olmo_tasks.py: arc_easy, arc_challenge, boolq, csqa, hellaswa
 openbookqa, piqa, sciq, socialiqa, winogrande in their zero-shot `rc_0shot` form, lambada;
 'task:format' for another format, or a path to a requests file). `--limit K` scores the first
 K documents of each task. It prints a table and writes JSON (every request's log-likelihood
-included) to --json, default <workdir>/zero_shot/step_<N>.json.
+included) to --json, default <workdir>/zero_shot/step_<N>.json: checked first (a folder this
+process can write; an existing file only if it is an earlier report), printed before it is
+written, written whole (s24jax/destinations.py; a failed write: exit code 5, the table stays).
 
 The model is the one the run computes with at that step (trained_lib.computed_params, which the
 JSON names): W~ = S(W) of a 2:4 method, beta S(W) of S-STE, the dense W after dense
@@ -67,6 +69,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
+from s24jax import destinations
 from s24jax import errors
 from s24jax import trained as trained_lib
 from s24jax import model as model_lib
@@ -350,24 +353,41 @@ def main(argv: list[str] | None = None) -> int:
       raise EvalError("--tasks names no task")
     if args.limit is not None and args.limit < 1:
       raise EvalError(f"--limit must be >= 1, got {args.limit}")
+    # Where the report goes, first: scores that could not be saved are not computed.
+    if args.json:
+      _check_report_path(args.json)
+    else:
+      destinations.check_folder(os.path.join(args.workdir, "zero_shot"),
+                                what="the evaluation report", flag="--json")
     # Unknown tasks fail before the checkpoint is read.
     loaded = [olmo_tasks.load_task(t, limit=args.limit, cache_dir=args.cache_dir)
               for t in tasks]
     trained = trained_lib.load_run(args.workdir, args.step)
+    path = args.json or os.path.join(trained.workdir, "zero_shot", f"step_{trained.step}.json")
+    _check_report_path(path)
     report = evaluate(trained, loaded, dtype=args.dtype,
                       batch_tokens=args.batch_tokens, prefix_eot=args.prefix_eot,
                       progress=not args.no_progress)
     report["limit"] = args.limit
+    print(format_table(report))   # the scores on the terminal before any write
+    with destinations.writing(f"the report {path}", "The table above holds the scores; the "
+                              "file is as it was"):
+      os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+      destinations.write_atomic(path, json.dumps(report, indent=1))
   except errors.KnownError as e:
     print(f"s24jax.evaluate: {e}", file=sys.stderr)
     return e.exit_code
-  path = args.json or os.path.join(trained.workdir, "zero_shot", f"step_{trained.step}.json")
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  with open(path, "w", encoding="utf-8") as f:
-    json.dump(report, f, indent=1)
-  print(format_table(report))
+  except KeyboardInterrupt:
+    print("s24jax.evaluate: stopped by SIGINT; nothing was written", file=sys.stderr)
+    return errors.EXIT_PREEMPTED
   print(f"wrote {path}")
   return 0
+
+
+def _check_report_path(path: str) -> None:
+  """The report's file can be written, and replaces at most an earlier report."""
+  destinations.check_file(path, what="an evaluation report", flag="--json",
+                          replaces=destinations.json_with_keys("definitions", "tasks"))
 
 
 if __name__ == "__main__":

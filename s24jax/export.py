@@ -24,6 +24,13 @@ Refused, with the reason: what the class's config cannot express (MST's strided 
 local_strided attention, V:N:M activation sparsity, GPT-2 with a gated FFN). Such a run's model
 at another step (after dense fine-tuning, outside MST's sparse-attention window) may export.
 
+Where it writes is checked before the checkpoint is read (s24jax/destinations.py): never the
+workdir, a folder holding it, or one of the run's own folders (its checkpoints); a non-empty
+--out only with --overwrite and only if it is an earlier export (it holds s24jax_export.json);
+a folder this process can write, with the space the weights need. The directory is written
+beside --out and renamed into place at the end (an earlier export is renamed aside first and
+removed last): a failure (a full disk: exit code 5, one line) leaves what was there intact.
+
 Import: `--config.init_from=/path/to/hf_dir` starts a new run from such a directory
 (`init_from_hf`; its config and tokenizer must be the run's, else `ExportError`), rebuilding
 what init derives from the weights (sparse layers' masks, S-STE's scale, the method's and the
@@ -39,9 +46,11 @@ import functools
 import json
 import os
 import pathlib
+import re
 import shutil
 import sys
 import tempfile
+import uuid
 from typing import Any
 
 import flax
@@ -51,11 +60,14 @@ from absl import logging
 from safetensors import numpy as safetensors_np
 
 import s24jax
+from s24jax import checkpoint as ckpt_lib
+from s24jax import destinations
 from s24jax import errors
 from s24jax import hf_layouts
 from s24jax import model as model_lib
 from s24jax import state as state_lib
 from s24jax import trained as trained_lib
+from s24jax import workdir as workdir_lib
 from s24jax.data import hf_tokenizer
 from s24jax.data import tokenizer as tokenizer_lib
 from s24jax.methods import base as methods_base
@@ -81,8 +93,7 @@ def write_hf_dir(out: str | os.PathLike[str], model_cfg: model_lib.ModelConfig, 
     raise ExportError(f"{layout.architecture(model_cfg)}'s config cannot express this model: "
                       + "; ".join(problems) + ". Nothing was written.")
   out = pathlib.Path(out).expanduser().absolute()
-  if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
-    raise ExportError(f"{out} exists and is not empty (pass --overwrite to replace it)")
+  check_out(out, overwrite)
   tok = tokenizer_lib.by_name(tokenizer)
   weights = trained_lib.computed_params(model_cfg, params, sparsity)
   state = layout.to_hf(model_cfg, weights)
@@ -100,29 +111,83 @@ def write_hf_dir(out: str | os.PathLike[str], model_cfg: model_lib.ModelConfig, 
     info["token_ids"] = ("UTF-8 bytes: id = byte value 0-255 (list(text.encode('utf-8'))), "
                          "256 = the document separator; transformers has no such tokenizer, "
                          "none is written")
-  out.parent.mkdir(parents=True, exist_ok=True)
-  tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-  os.chmod(tmp, 0o755)   # mkdtemp's 0700 would stay on the renamed directory
-  try:
-    (tmp / "config.json").write_text(json.dumps(layout.config(model_cfg, tok.eot_token), indent=2))
-    safetensors_np.save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
-    if tokenizer == "gpt2":
-      hf_tokenizer.write_gpt2(tmp, model_cfg.seq_len)
-    (tmp / MARKER).write_text(json.dumps(info, indent=2))
-    for f in tmp.iterdir():
-      os.chmod(f, 0o644)
-    if out.exists():
-      shutil.rmtree(out)
-    os.replace(tmp, out)
-  finally:
-    if tmp.exists():
-      shutil.rmtree(tmp, ignore_errors=True)
+  need = sum(np.asarray(v).nbytes for v in state.values()) + TOKENIZER_BYTES
+  destinations.check_folder(str(out.parent), what="the export", flag="--out", need_bytes=need)
+  intact = ("The earlier export there is intact." if out.exists() else
+            "Nothing was left there.") + " Free space or choose another --out, then run again"
+  with destinations.writing(f"the export {out}", intact):
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+      os.chmod(tmp, 0o755)   # mkdtemp's 0700 would stay on the renamed directory
+      (tmp / "config.json").write_text(json.dumps(layout.config(model_cfg, tok.eot_token),
+                                                  indent=2))
+      _save_safetensors(state, tmp / WEIGHTS)
+      if tokenizer == "gpt2":
+        hf_tokenizer.write_gpt2(tmp, model_cfg.seq_len)
+      (tmp / MARKER).write_text(json.dumps(info, indent=2))
+      for f in tmp.iterdir():
+        os.chmod(f, 0o644)
+      _replace_dir(tmp, out)
+    finally:
+      if tmp.exists():
+        shutil.rmtree(tmp, ignore_errors=True)
   return out
+
+
+TOKENIZER_BYTES = 10 << 20   # GPT-2's tokenizer files (9.6 MB) and the small JSON files
+
+
+def check_out(out: pathlib.Path, overwrite: bool) -> None:
+  """--out can take the export (module docstring): not a file; if not empty, replaced only
+  with `overwrite` and only if it is an earlier export; its folder writable."""
+  if out.exists() and not out.is_dir():
+    raise destinations.DestinationError(f"--out {out} is a file, not a folder; choose "
+                                        "another --out (nothing was written)")
+  if out.is_dir() and any(out.iterdir()):
+    if not overwrite:
+      raise ExportError(f"{out} exists and is not empty (pass --overwrite to replace it)")
+    if not (out / MARKER).is_file():
+      raise destinations.DestinationError(
+          f"--out {out} is not an earlier export (it has no {MARKER}): --overwrite replaces "
+          "only those, so it is left as it is; choose another --out (nothing was written)")
+  destinations.check_folder(str(out.parent), what="the export", flag="--out")
+
+
+def _save_safetensors(state: dict[str, np.ndarray], path: pathlib.Path) -> None:
+  """safetensors' save_file, a failed write as the OSError it is (the library raises a
+  SafetensorError naming it: "I/O error: No space left on device (os error 28)")."""
+  try:
+    safetensors_np.save_file(state, str(path), metadata={"format": "pt"})
+  except Exception as e:  # pylint: disable=broad-except
+    code = re.search(r"\(os error (\d+)\)", str(e))
+    if code is None:
+      raise
+    raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from e
+
+
+def _replace_dir(new: pathlib.Path, out: pathlib.Path) -> None:
+  """Renames `new` to `out`; an existing `out` is renamed aside first (and back if the
+  rename fails) and removed last, so one of them is whole at every moment."""
+  aside = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}") if out.exists() else None
+  if aside is not None:
+    os.replace(out, aside)
+  try:
+    os.replace(new, out)
+  except BaseException:
+    if aside is not None:
+      os.replace(aside, out)
+    raise
+  if aside is not None:
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def export_run(workdir: str, out: str, step: int | None = None, *,
                overwrite: bool = False) -> dict[str, Any]:
   """Exports the checkpoint of `step` (default: the newest) of a run's workdir to `out`."""
+  # Where it writes, before the checkpoint is read: never the run itself.
+  destinations.check_apart(out, workdir, flag="--out", keep=workdir_lib.RUN_FOLDERS)
+  check_out(pathlib.Path(out).expanduser().absolute(), overwrite)
   trained = trained_lib.load_run(workdir, step)
   about = {"workdir": trained.workdir, "step": trained.step,
            "method": trained.spec.method.name, "model": trained.model_cfg.describe(),
@@ -146,6 +211,10 @@ def read_hf_dir(path: str | os.PathLike[str], model_cfg: model_lib.ModelConfig,
   path = pathlib.Path(path).expanduser()
   layout = hf_layouts.layout(model_cfg)
   arch = layout.architecture(model_cfg)
+  if (path / ckpt_lib.CHECKPOINTS).is_dir() or (path / "metrics.jsonl").is_file():
+    raise ExportError(f"init_from={str(path)!r} is an s24jax run's workdir, not a Hugging Face "
+                      "directory: export it first: python -m s24jax.export --workdir "
+                      f"{path} --out {path / 'hf'}, then --config.init_from={path / 'hf'}")
   if not (path / "config.json").is_file():
     raise ExportError(f"init_from={str(path)!r}: no config.json there; expected a local "
                       f"{arch} directory (save_pretrained, or python -m s24jax.export)")
@@ -250,6 +319,9 @@ def main(argv: list[str] | None = None) -> int:
   except errors.KnownError as e:
     print(f"s24jax.export: {e}", file=sys.stderr)
     return e.exit_code
+  except KeyboardInterrupt:
+    print("s24jax.export: stopped by SIGINT; --out is as it was", file=sys.stderr)
+    return errors.EXIT_PREEMPTED
   print(f"wrote {info['out']}: {info['model']}, step {info['step']}\n"
         f"weights: {info['weights']}")
   return 0

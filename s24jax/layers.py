@@ -17,13 +17,20 @@ import jax.numpy as jnp
 from s24jax import act_sparsity
 from s24jax import attention_masks
 from s24jax import losses
-from s24jax.sparse_linear import SparseLinear
+from s24jax.sparse_linear import LINEAR_OUTPUT, SparseLinear
 
 # Rematerialisation of each block's activations in the backward pass (jax.checkpoint):
 # 'save_dots' keeps the outputs of the weight matmuls and recomputes the rest (attention
-# softmax, activations, norms); 'full' keeps only the block input.
+# softmax, activations, norms); 'full' keeps only the block input. The weight matmuls are the
+# linear layers, dense or 2:4 sparse, whose output y is named (sparse_linear.LINEAR_OUTPUT):
+# a sparse layer's GEMMs hide inside a custom_vjp (a cuSPARSELt call is no dot at all), and a
+# dense layer's dot writes float32 before its cast, so by name both recipes keep the same
+# tensors, y in the compute dtype (docs/scaling.md, "Equal recompute"). Any other dot without
+# batch dimensions is kept as before.
 REMAT_POLICIES = {"none": None, "full": None,
-                  "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+                  "save_dots": jax.checkpoint_policies.save_from_both_policies(
+                      jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+                      jax.checkpoint_policies.save_only_these_names(LINEAR_OUTPUT))}
 # The variable collections a scanned block stacks along its leading (layer) axis.
 SCANNED_COLLECTIONS = {"params": 0, "sparsity": 0, "prepared": 0, "intermediates": 0}
 
@@ -35,12 +42,25 @@ def compute_dtype(name: str) -> jnp.dtype:
   return jnp.dtype(name)
 
 
-def attention_implementation(cfg: Any) -> str:
-  """'cudnn' or 'xla' for jax.nn.dot_product_attention. 'auto' asks the backend, which is
-  the CPU while compiling devicelessly for a GPU: the planner sets 'cudnn' explicitly."""
+# What cuDNN's flash attention takes (jax._src.cudnn.fused_attention_stablehlo, jax 0.10-0.12:
+# `check_is_flash_attention` and the dtype check): 16-bit inputs, a head dim that is a multiple
+# of 8 and at most 128 (256 from Hopper on; 128 holds on every GPU).
+CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
+CUDNN_MAX_HEAD_DIM = 128
+
+
+def attention_implementation(cfg: Any, q: jax.Array) -> str:
+  """'cudnn' or 'xla' for jax.nn.dot_product_attention on q (B, T, N, hd). 'auto' is cuDNN's
+  flash attention on a GPU for causal attention that cuDNN takes (CUDNN_DTYPES, the head
+  dim), else XLA's: a float32 model or an odd head width on a GPU runs, it is not refused.
+  While compiling devicelessly for a GPU the backend is the CPU: the planner sets 'cudnn'."""
   if cfg.attention_impl != "auto":
     return cfg.attention_impl
-  return "cudnn" if cfg.attention == "causal" and jax.default_backend() == "gpu" else "xla"
+  head_dim = q.shape[-1]
+  cudnn_takes = (q.dtype in CUDNN_DTYPES and head_dim % 8 == 0
+                 and head_dim <= CUDNN_MAX_HEAD_DIM)
+  on_gpu = jax.default_backend() == "gpu"
+  return "cudnn" if cfg.attention == "causal" and on_gpu and cudnn_takes else "xla"
 
 
 def attend(cfg: Any, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
@@ -49,7 +69,7 @@ def attend(cfg: Any, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
   (MST's Hybrid Sparse Attention, which includes causality). -> (B, T, N, hd)."""
   if cfg.attention == "causal":
     return jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                        implementation=attention_implementation(cfg))
+                                        implementation=attention_implementation(cfg, q))
   mask = attention_masks.attention_mask(cfg.attention, q.shape[1], cfg.attention_stride)  # (T, T)
   return jax.nn.dot_product_attention(q, k, v, mask=mask[None, None])
 

@@ -196,7 +196,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
       with open(final_path, encoding="utf-8") as f:
         return json.load(f)
     if primary:
-      workdir_lib.write_config(workdir, config, run.step)
+      workdir_lib.write_config(workdir, config, run.step, data=run.data)
     chores = standard_chores(run)
     bar = tqdm(total=run.total, initial=run.step, dynamic_ncols=True, mininterval=1.0,
                disable=not primary)

@@ -3,6 +3,11 @@
 The workdir gets `metrics.jsonl` (one record per write: the log of a step, an eval, a hook's
 scalars; a step can have several records, `read_jsonl`/`series` read them all), TensorBoard
 event files under `tensorboard/`, and `metrics.png`.
+
+A last line that is not a whole record (what a crash or a full disk during a write leaves) is
+dropped with a warning, never the records before it; a resumed run keeps its text in
+`metrics.jsonl.torn`. A bad line anywhere else is a `MetricsFileError` naming the line (the
+file was edited or damaged): nothing is rewritten then.
 """
 from __future__ import annotations
 
@@ -13,7 +18,13 @@ from typing import Any, Iterable
 
 import jax
 import numpy as np
+from absl import logging
 from tensorboardX import SummaryWriter
+
+from s24jax import destinations
+from s24jax import errors
+
+TORN_SUFFIX = ".torn"   # where a resumed run keeps a torn last line's text
 
 # Dense bf16 peak FLOP/s per device, for MFU when config.peak_flops is 0.
 PEAK_FLOPS = {"h100": 989e12, "h200": 989e12, "a100": 312e12, "v100": 125e12,
@@ -65,7 +76,14 @@ class MetricWriter:
                                purge_step=resume_step + 1 if resume_step else None)
 
   def _truncate_after(self, step: int) -> None:
-    records = read_jsonl(self.jsonl_path)
+    records, torn = split_jsonl(self.jsonl_path)
+    if torn is not None:
+      with open(self.jsonl_path + TORN_SUFFIX, "a", encoding="utf-8") as f:
+        f.write(torn + "\n")
+      logging.warning("%s: its last line was not a whole record (what a crash or a full disk "
+                      "during a write leaves): dropped, its text kept in %s%s", self.jsonl_path,
+                      self.jsonl_path, TORN_SUFFIX)
+    records = _last_of_each(records)
     kept = [r for r in records if r["step"] <= step]
     superseded = [r for r in records if r["step"] > step]
     for r in kept:
@@ -77,11 +95,7 @@ class MetricWriter:
                 encoding="utf-8") as f:
         for r in superseded:
           f.write(json.dumps(r) + "\n")
-    tmp = self.jsonl_path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-      for r in kept:
-        f.write(json.dumps(r) + "\n")
-    os.replace(tmp, self.jsonl_path)
+    destinations.write_atomic(self.jsonl_path, "".join(json.dumps(r) + "\n" for r in kept))
 
   def write(self, step: int, scalars: dict[str, Any]) -> None:
     if not self.enabled:
@@ -117,16 +131,48 @@ class MetricWriter:
       self._tb.close()
 
 
-def read_jsonl(path: str) -> list[dict[str, float]]:
-  """Records of a metrics log; for a step logged twice (a resumed run) the last one wins."""
-  by_key: dict[tuple[int, tuple[str, ...]], dict] = {}
-  with open(path, encoding="utf-8") as f:
-    for line in f:
-      line = line.strip()
-      if line:
-        r = json.loads(line)
-        by_key[(r["step"], tuple(sorted(r)))] = r
+class MetricsFileError(errors.UserError):
+  """A metrics log with a bad line before its last (edited or damaged)."""
+
+
+def split_jsonl(path: str) -> tuple[list[dict[str, Any]], str | None]:
+  """(the records of a metrics log in file order, the text of a torn last line or None).
+  MetricsFileError for a bad line before the last one, naming it."""
+  with open(path, encoding="utf-8", errors="replace") as f:
+    lines = [(i, line.strip()) for i, line in enumerate(f, 1) if line.strip()]
+  records = []
+  for n, (i, line) in enumerate(lines):
+    try:
+      record = json.loads(line)
+      ok = isinstance(record, dict) and isinstance(record.get("step"), int)
+    except ValueError:
+      ok = False
+    if ok:
+      records.append(record)
+    elif n == len(lines) - 1:
+      return records, line
+    else:
+      raise MetricsFileError(
+          f"{path}, line {i}: not a metrics record ({line[:60]!r}); only a last line can be "
+          "torn by a crash, so the file was edited or damaged. Restore it from a copy, or "
+          "move it away to start its log afresh (the checkpoints do not depend on it).")
+  return records, None
+
+
+def _last_of_each(records: list[dict]) -> list[dict]:
+  """For a step logged twice with the same keys (a resumed run) the last record wins."""
+  by_key = {(r["step"], tuple(sorted(r))): r for r in records}
   return sorted(by_key.values(), key=lambda r: r["step"])
+
+
+def read_jsonl(path: str) -> list[dict[str, float]]:
+  """Records of a metrics log; for a step logged twice (a resumed run) the last one wins; a
+  torn last line is dropped with a warning (module docstring)."""
+  records, torn = split_jsonl(path)
+  if torn is not None:
+    logging.warning("%s: its last line is not a whole record (what a crash or a full disk "
+                    "during a write leaves): read without it", path)
+  return _last_of_each(records)
 
 
 def series(records: Iterable[dict], key: str) -> tuple[np.ndarray, np.ndarray]:

@@ -26,8 +26,10 @@ compiles the real `train.train_step`, sharded over `--devices` compile-only GPUs
 It is also a compile-only check: a config that does not compile for the GPU fails here with
 XLA's error. Exit code (s24jax/errors.py): 0 if it fits, 6 if it compiles but does not fit,
 2 for a user error (a bad argument, config file or value: checked before the compile plugin
-is looked for; or no compile plugin), one line; 1 for an internal error (a traceback, XLA's
-compile errors included).
+is looked for; or no compile plugin; or a --json this process cannot write), one line; 5 if
+the --json report could not be written after the compile (a full disk; the report is printed
+first, the file left as it was); 1 for an internal error (a traceback, XLA's compile errors
+included).
 Compile-time facts and limits: kernels/aot.py; the measured table is in docs/scaling.md.
 """
 from __future__ import annotations
@@ -41,7 +43,9 @@ import sys
 import time
 from typing import Any
 
+from s24jax import destinations
 from s24jax import errors
+from s24jax import plan_gemms
 from s24jax.kernels import aot
 from s24jax.kernels.cusparselt import rules as cusparselt_rules
 
@@ -113,6 +117,11 @@ class Planner:
     self._cache: dict[tuple[int, int], Compiled] = {}
     mesh = sharding.make_mesh(self.config.mesh, self._topologies[1].devices)
     self.data_parallel = mesh.size   # the batch splits over every device (data x fsdp)
+
+  @property
+  def target_device(self):
+    """A compile-only GPU of the described kind (the step's default device while it is built)."""
+    return self._topologies[1].devices[0]
 
   @property
   def global_batch(self) -> int:
@@ -240,6 +249,9 @@ def plan(config, gpu: str, num_devices: int, *, micro: int | None = None,
       "cusparselt_calls": real.cusparselt,
       "cusparselt_rule_violations": sum(c["violation"] is not None for c in real.cusparselt),
       "collectives": {k: v for k, v in real.hlo.items() if k != "custom_calls"},
+      "gemm_choice": planner.config.sparsity.gemm_choice,
+      "gemm_table": planner.config.sparsity.gemm_table,
+      "gemm_choices": plan_gemms.choices(planner, micro),
       "remat": planner.config.model.remat, "loss_chunk": planner.config.model.loss_chunk,
       "attention_impl": planner.config.model.attention_impl,
   }
@@ -289,6 +301,7 @@ def format_report(r: dict[str, Any]) -> str:
                  f"rules: {r['cusparselt_rule_violations']}")
     lines += [f"    {c['target']}: {c['violation']}" for c in r["cusparselt_calls"]
               if c["violation"]]
+  lines += plan_gemms.format_lines(r)
   if "largest_fitting_micro_batch" in r:
     best = r["largest_fitting_micro_batch"]
     lines.append(f"  largest micro-batch that fits: {best} per device"
@@ -329,6 +342,9 @@ def main(argv=None) -> int:
     _check_args(args)
     config = validate.load_config(args.config, args=args.set)
     validate.check_fields(config)
+    if args.json:   # where the report goes, before minutes of compiling
+      destinations.check_file(args.json, what="a plan report", flag="--json",
+                              replaces=destinations.json_with_keys("fits", "gpu"))
     try:
       aot.start()
     except aot.PluginMissing as e:
@@ -343,8 +359,13 @@ def main(argv=None) -> int:
   report["command"] = " ".join(["python -m s24jax.plan"] + (argv or sys.argv[1:]))
   print(format_report(report))
   if args.json:
-    with open(args.json, "w", encoding="utf-8") as f:
-      json.dump(report, f, indent=2)
+    try:
+      with destinations.writing(f"the report {args.json}", "The report above is complete; "
+                                "the file is as it was"):
+        destinations.write_atomic(args.json, json.dumps(report, indent=2))
+    except errors.KnownError as e:
+      print(f"s24jax.plan: {e}", file=sys.stderr)
+      return e.exit_code
   return errors.EXIT_OK if report["fits"] else errors.EXIT_DOES_NOT_FIT
 
 

@@ -23,6 +23,7 @@ from typing import Any, Callable
 import flax
 import flax.linen as nn
 import jax
+from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
 from s24jax import sparse_ops
@@ -31,6 +32,12 @@ from s24jax.methods import base as methods_base
 from s24jax.methods import registry
 
 DENSE_FINETUNE_INITS = ("latent", "projected")
+# The name (jax.ad_checkpoint.checkpoint_name) of every linear layer's output y, dense or
+# sparse, in the compute dtype: the remat policy 'save_dots' (layers.REMAT_POLICIES) keeps
+# it. A sparse layer's GEMMs sit inside a custom_vjp (and a cuSPARSELt call is no dot), which
+# a dot-based policy cannot see; named alike, dense and sparse recipes store the same
+# activations.
+LINEAR_OUTPUT = "linear_output"
 # The Flax collection of what `prepare` computes for one step (never checkpointed).
 PREPARED = "prepared"
 
@@ -70,6 +77,15 @@ class SparsityConfig:
   # `flip_rate_warn_patience` consecutive logs; 0 turns it off (s24jax/flip_monitor.py).
   flip_rate_warn: float = 0.05
   flip_rate_warn_patience: int = 5
+  # Which sparse GEMMs run on the backend's 2:4 kernel (consulted by 'cusparselt';
+  # s24jax/sparse_ops/gemm_choice.py): 'measured' (where measured faster than the dense XLA
+  # GEMM of the same product, counting the compressions; dense where nothing was measured),
+  # 'sparse' (wherever the backend can), 'dense', or a '+'-joined subset of forward, dgrad,
+  # wgrad forced sparse ('forward+dgrad'), the others dense. Only the kernel changes.
+  gemm_choice: str = "measured"
+  # A JSON file of measured GEMM times for 'measured' (gemm_times.TABLE_FORMAT), read before
+  # this machine's cache of measurements; '' for none.
+  gemm_table: str = ""
 
   def __post_init__(self):
     if self.dense_finetune_init not in DENSE_FINETUNE_INITS:
@@ -90,6 +106,8 @@ class SparsityConfig:
                        f"{self.fp8_backward_operands!r}; valid: {', '.join(valid)}")
     # Here, not when a step is traced: the error comes as the run's config is read.
     sparse_ops.check(self.gemm)
+    if self.gemm_table:
+      sparse_ops.gemm_times.load_table(self.gemm_table)
     if sparse_ops.get_backend(self.backend).needs_24 and not self.method.structured_24:
       raise ValueError(f"sparsity.backend={self.backend!r} needs 2:4 weights; method "
                        f"{self.method.name!r} is unstructured: use sparsity.backend='xla'")
@@ -103,7 +121,8 @@ class SparsityConfig:
       backward = sparse_ops.get_backend(self.backend).fp8_backward if self.fp8 else "e4m3"
     return sparse_ops.GemmOptions(mvue=self.mvue, fp8=self.fp8,
                                   fp8_backward_operands=backward,
-                                  backend=self.backend, transposable=self.method.transposable)
+                                  backend=self.backend, transposable=self.method.transposable,
+                                  gemm_choice=self.gemm_choice, gemm_table=self.gemm_table)
 
   def is_sparse(self, path: str) -> bool:
     """Whether the linear layer at `path` ('h_0/mlp/fc') is sparse."""
@@ -120,9 +139,11 @@ def linear(x: jax.Array, w: jax.Array, opts: sparse_ops.GemmOptions | None = Non
   opts None: a dense XLA matmul (sparse kernels cannot run a dense weight).
   """
   if opts is not None:
-    return sparse_ops.sparse_linear(x, w, key, opts, prepared)
-  return jnp.einsum("...i,oi->...o", x, w.astype(x.dtype),
-                    preferred_element_type=jnp.float32).astype(x.dtype)
+    y = sparse_ops.sparse_linear(x, w, key, opts, prepared)
+  else:
+    y = jnp.einsum("...i,oi->...o", x, w.astype(x.dtype),
+                   preferred_element_type=jnp.float32).astype(x.dtype)
+  return checkpoint_name(y, LINEAR_OUTPUT)                              # (..., out)
 
 
 def _init_layer(method: methods_base.Method, kernel: jax.Array, path: str
@@ -304,12 +325,14 @@ class SparseHead(nn.Module):
     return sparse_head
 
 
-def prepare(model_cfg, params: Any, sparsity: Any, *, tokens: int, dtype) -> dict:
+def prepare(model_cfg, params: Any, sparsity: Any, *, tokens: int, dtype,
+            micro_batches: int = 1) -> dict:
   """The 'prepared' collection of this step: for each sparse linear layer, what the backend
   prepares from its W~ (sparse_ops.Backend.prepare: e.g. cuSPARSELt's compressed W~ for
-  micro-batches of `tokens` tokens per device in the compute `dtype`); {} when the backend
-  prepares nothing. The train step calls it once per optimizer step, outside the
-  accumulation loop. The tied head is left out (`SparseEmbed.head` says why)."""
+  micro-batches of `tokens` tokens per device in the compute `dtype`, shared by the step's
+  `micro_batches`); {} when the backend prepares nothing. The train step calls it once per
+  optimizer step, outside the accumulation loop. The tied head is left out
+  (`SparseEmbed.head` says why)."""
   sp = model_cfg.sparsity
   backend = sparse_ops.get_backend(sp.backend)
   if backend.prepare is None or not sp.method.sparse or not sparsity:
@@ -324,7 +347,8 @@ def prepare(model_cfg, params: Any, sparsity: Any, *, tokens: int, dtype) -> dic
 
     def one(kernel, layer_state):
       w = sp.method.project(kernel, layer_state)
-      return backend.prepare(w, tokens=tokens, dtype=dtype, opts=opts)
+      return backend.prepare(w, tokens=tokens, dtype=dtype, opts=opts,
+                             micro_batches=micro_batches)
 
     for name, value in methods_base.per_layer(one)(kernel, layer).items():
       flat[path + (name,)] = value

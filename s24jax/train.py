@@ -64,7 +64,8 @@ def loss_and_grads(params: Any, sparsity: Any, batch: Batch, key: jax.Array, *, 
   devices = 1 if mesh.empty else mesh.size
   prepared = sparse_linear.prepare(model.config, params, sparsity,
                                    tokens=tokens // accum_steps // devices,
-                                   dtype=model_lib.compute_dtype(model.config.dtype))
+                                   dtype=model_lib.compute_dtype(model.config.dtype),
+                                   micro_batches=accum_steps)
 
   def grads_of(b, k):
     def loss_fn(p):

@@ -38,8 +38,10 @@ from jax.experimental import multihost_utils
 
 from s24jax import checkpoint as ckpt_lib
 from s24jax import config_files
+from s24jax import destinations
 from s24jax import errors
 from s24jax import export
+from s24jax import platform_dtypes
 from s24jax import sharding
 from s24jax import state as state_lib
 from s24jax import workdir as workdir_lib
@@ -57,17 +59,14 @@ class Checked:
 
 
 def load_config(spec: str, overrides=None, *, args=()) -> ml_collections.ConfigDict:
-  """`config_files.load_config`, its errors (a missing file, an unknown variant, a bad
-  override) as UserError. An exception inside the file's own code keeps its traceback."""
+  """`config_files.load_config`, every error of it as one line (UserError): a missing file,
+  one that does not run or has no get_config, an unknown variant, a bad override."""
   path = spec.partition(":")[0]
   if not os.path.isfile(path):
     raise UserError(f"config file {path!r} not found (expected FILE.py[:variant], e.g. "
                     "experiments/gpt2_s_ste.py:small)")
-  try:
-    with errors.user_errors(ValueError, TypeError, context=f"{spec}: "):
-      return config_files.load_config(spec, overrides, args=args)
-  except SyntaxError as e:
-    raise UserError(f"config file {path}:{e.lineno}: {e.msg}") from e
+  with errors.user_errors(ValueError, TypeError, context=f"{spec}: "):
+    return config_files.load_config(spec, overrides, args=args)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -296,15 +295,8 @@ def check_backend_device(spec: RunSpec) -> None:
 
 
 def check_workdir(workdir: str) -> None:
-  if os.path.exists(workdir) and not os.path.isdir(workdir):
-    raise UserError(f"--workdir {workdir} is a file, not a folder: choose another --workdir")
   with errors.user_errors(ValueError):
-    workdir_lib.check_resumable(workdir)
-
-
-def _has_checkpoint(workdir: str) -> bool:
-  directory = os.path.join(workdir, ckpt_lib.CHECKPOINTS)
-  return os.path.isdir(directory) and any(n.isdigit() for n in os.listdir(directory))
+    workdir_lib.check(workdir)
 
 
 def check_checkpoints(config, spec: RunSpec, workdir: str) -> None:
@@ -341,7 +333,9 @@ def load_tokens(config) -> cache.TokenData:
   """The token streams (the cache prepared once, checked against its checksums); with several
   processes, process 0 prepares the cache while the others wait at a barrier (so they never
   race to write it). Problems with the data are UserErrors."""
-  with errors.user_errors(ValueError, FileNotFoundError, NotADirectoryError, PermissionError,
+  with destinations.writing("the token cache", "Its complete entries are intact; nothing "
+                            "was written in the workdir"), \
+       errors.user_errors(ValueError, FileNotFoundError, NotADirectoryError, PermissionError,
                           context="config.data: "):
     if jax.process_count() > 1:
       if jax.process_index() == 0:
@@ -387,8 +381,16 @@ def check_run(config: ml_collections.ConfigDict, workdir: str, *,
                       allow_unmatched_layers=allow_unmatched_layers)
   mesh = _mesh(config, devices)
   check_backend_device(spec)
+  platform_dtypes.check(spec.model_cfg.dtype)
   check_checkpoints(config, spec, workdir)
-  if config.get("init_from") and not _has_checkpoint(workdir):
-    export.check_init_from(spec)   # a resumed run starts from its checkpoint instead
+  step = ckpt_lib.newest_step_on_disk(workdir)
+  if config.get("init_from") and step is None:
+    export.check_init_from(spec)
+  elif config.get("init_from"):   # a resumed run starts from its checkpoint instead
+    logging.warning("config.init_from=%r is not used: the run resumes from its checkpoint at "
+                    "step %d (init_from only starts a new run: use a new --workdir)",
+                    config.init_from, step)
   ckpt_lib.check_disk(spec.abstract_state, workdir)
-  return Checked(spec=spec, mesh=mesh, data=load_tokens(config))
+  data = load_tokens(config)
+  workdir_lib.warn_if_data_changed(workdir, data, step)
+  return Checked(spec=spec, mesh=mesh, data=data)

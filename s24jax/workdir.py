@@ -2,14 +2,17 @@
 
 A run holds `<workdir>/run.lock` (JSON: host, pid, start time) from before it writes anything
 until it ends. A second run on the same workdir stops at once with an error that names the
-holder (`WorkdirLockedError`), writing nothing. A lock left by a process that is no longer
-alive on this host is taken over with a warning; a lock held from another host is never taken
-over (its process cannot be checked from here): remove the file by hand if that run is gone.
+holder (`WorkdirLockedError`), writing nothing. The lock is written whole (a temporary file
+linked to its name), so a crash or a full disk never leaves half a lock. A lock left by a
+process that is no longer alive on this host is taken over with a warning, and so is an empty
+or unreadable one (what an older version's crash or a full disk left: no live run's lock looks
+like that); a lock held from another host is never taken over (its process cannot be checked
+from here): remove the file by hand if that run is gone.
 
 The lock creates the workdir (and its missing parents) if needed, and removes what it
 created, if still empty, when released: a run stopped by a bad config leaves no trace. A
-workdir that cannot be created or written (a file in the way, no permission) is a
-`UserError`.
+workdir that cannot be created or written (a file in the way, no permission, a read-only
+filesystem, a full disk) is a `UserError`, one line, with nothing left behind.
 
 `write_config` saves the resolved config as `config.json` at the first start; a resumed run
 writes `config.resumed_at_<step>.json` only when a field really changed, and names the
@@ -17,18 +20,22 @@ changed fields in it and in a warning.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import socket
 import time
+import uuid
 from typing import Any
 
 from absl import logging
 from flax import traverse_util
 from ml_collections import config_dict
 
+from s24jax import destinations
 from s24jax import errors
+from s24jax import metrics as metrics_lib
 
 LOCK_NAME = "run.lock"
 
@@ -58,30 +65,84 @@ class WorkdirLock:
     self.path = os.path.join(os.path.abspath(workdir), LOCK_NAME)
     self._created: list[str] = []   # the folders acquire() made, deepest first
 
+  @property
+  def workdir(self) -> str:
+    return os.path.dirname(self.path)
+
   def _make_workdir(self) -> None:
-    folder = os.path.dirname(self.path)
+    folder = self.workdir
     missing = []
-    while not os.path.exists(folder):
+    while not os.path.lexists(folder):
       missing.append(folder)
       folder = os.path.dirname(folder)
     if not os.path.isdir(folder):
-      raise errors.UserError(f"cannot create the workdir {os.path.dirname(self.path)}: "
-                             f"{folder} is a file, not a folder; choose another --workdir")
+      raise errors.UserError(f"cannot create the workdir {self.workdir}: {folder} is a file, "
+                             "not a folder; choose another --workdir")
     try:
-      os.makedirs(os.path.dirname(self.path), exist_ok=True)
+      os.makedirs(self.workdir, exist_ok=True)
     except OSError as e:
-      raise errors.UserError(f"cannot create the workdir {os.path.dirname(self.path)} "
-                             f"({e.strerror}); choose another --workdir") from e
+      self._created = [f for f in missing if os.path.isdir(f)]
+      self._remove_created()
+      raise errors.UserError(f"cannot create the workdir {self.workdir} "
+                             f"({destinations.reason(e)}); choose another --workdir") from e
     self._created = missing
 
   def holder(self) -> dict[str, Any] | None:
+    """The lock's content; None without a lock; {'unreadable': size in bytes, ...} for a lock
+    that is not the JSON object s24jax writes."""
     try:
       with open(self.path, encoding="utf-8") as f:
-        return json.load(f)
+        data = json.load(f)
+      if isinstance(data, dict):
+        return data
     except FileNotFoundError:
       return None
     except (OSError, ValueError):
-      return {"host": "?", "pid": -1, "started": "?", "unreadable": True}
+      pass
+    try:
+      size = os.path.getsize(self.path)
+    except OSError:
+      return None
+    return {"host": "?", "pid": -1, "started": "?", "unreadable": size}
+
+  def _create(self, me: dict[str, Any]) -> bool:
+    """Writes the lock whole, atomically: a temporary file linked to the lock's name (which
+    fails if a lock is there), so no other process ever reads half a lock, and a full disk
+    leaves none. False if a lock is there."""
+    tmp = f"{self.path}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+    destinations.write_atomic(tmp, json.dumps(me))
+    try:
+      os.link(tmp, self.path)
+      return True
+    except FileExistsError:
+      return False
+    except OSError as e:
+      if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
+        raise
+      # A filesystem without hard links: create-exclusive, then the content.
+      try:
+        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+      except FileExistsError:
+        return False
+      with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(me, f)
+      return True
+    finally:
+      with contextlib.suppress(OSError):
+        os.remove(tmp)
+
+  def _stale(self, other: dict[str, Any], me: dict[str, Any]) -> str | None:
+    """Why the lock `other` can be taken over (None: it cannot)."""
+    if "unreadable" in other:
+      # s24jax writes its lock whole (`_create`): an empty or garbled one is what an older
+      # version's crash or a full disk left, never a live run's.
+      return (f"it is not a lock s24jax writes ({other['unreadable']} bytes: what a crash or "
+              "a full disk while writing it leaves)")
+    if (other.get("host") == me["host"] and isinstance(other.get("pid"), int)
+        and not _alive(other["pid"])):
+      return (f"its holder (pid {other.get('pid')} on {other.get('host')}, started "
+              f"{other.get('started')}) is no longer running")
+    return None
 
   def acquire(self) -> None:
     if self._held.get(self.path):
@@ -90,34 +151,35 @@ class WorkdirLock:
     self._make_workdir()
     me = {"host": socket.gethostname(), "pid": os.getpid(),
           "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    for _ in range(2):
+    for _ in range(3):
       try:
-        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-      except (PermissionError, IsADirectoryError, NotADirectoryError) as e:
+        created = self._create(me)
+      except OSError as e:
         self._remove_created()
-        raise errors.UserError(f"cannot write to the workdir {os.path.dirname(self.path)} "
-                               f"({e.strerror}); choose another --workdir") from e
-      except FileExistsError:
-        other = self.holder()
-        if other is None:   # released between the two calls: try again
-          continue
-        if (other.get("host") == me["host"] and isinstance(other.get("pid"), int)
-            and not _alive(other["pid"])):
-          logging.warning("taking over %s: its holder (pid %s on %s, started %s) is no longer "
-                          "running", self.path, other.get("pid"), other.get("host"),
-                          other.get("started"))
+        if not destinations.is_write_error(e):
+          raise
+        raise errors.UserError(f"cannot write to the workdir {self.workdir} "
+                               f"({destinations.reason(e)}); nothing was written: "
+                               f"{destinations.remedy(e)}, or choose another --workdir") from e
+      if created:
+        self._held[self.path] = 1
+        return
+      other = self.holder()
+      if other is None:   # released between the two calls: try again
+        continue
+      stale = self._stale(other, me)
+      if stale:
+        logging.warning("taking over %s: %s", self.path, stale)
+        with contextlib.suppress(FileNotFoundError):
           os.remove(self.path)
-          continue
-        self._remove_created()
-        raise WorkdirLockedError(
-            f"{os.path.dirname(self.path)} is in use by another run (pid {other.get('pid')} on "
-            f"{other.get('host')}, started {other.get('started')}; lock file {self.path}). "
-            "Nothing was written. Wait for it to finish, use another --workdir, or, if that "
-            "run is gone (e.g. on another host), remove the lock file.") from None
-      with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(me, f)
-      self._held[self.path] = 1
-      return
+        continue
+      self._remove_created()
+      raise WorkdirLockedError(
+          f"{self.workdir} is in use by another run (pid {other.get('pid')} on "
+          f"{other.get('host')}, started {other.get('started')}; lock file {self.path}). "
+          "Nothing was written. Wait for it to finish, use another --workdir, or, if that "
+          "run is gone (e.g. on another host), remove the lock file.") from None
+    self._remove_created()
     raise WorkdirLockedError(f"could not take {self.path}: it keeps reappearing")
 
   def release(self) -> None:
@@ -151,6 +213,78 @@ class WorkdirLock:
 
   def __exit__(self, *exc) -> None:
     self.release()
+
+
+# ---------------------------------------------------------------------------------------------
+# What a run keeps in its workdir.
+
+# A file where the run keeps a folder, or the reverse, would fail a write midway (after others
+# were made, e.g. metrics.jsonl moved aside): `check_layout` finds it before anything is written.
+RUN_FOLDERS = ("checkpoints", "checkpoints_damaged", "tensorboard")
+DATA_FINGERPRINT = "data_fingerprint.json"
+RUN_FILES = ("config.json", "metrics.jsonl", "metrics.superseded.jsonl", "metrics.jsonl.torn",
+             "train.log", "metrics.png", "final_metrics.json", "pending_metrics.json",
+             DATA_FINGERPRINT, LOCK_NAME)
+
+
+def check(workdir: str) -> None:
+  """Before a run writes anything (UserError otherwise): the workdir is a folder (or absent),
+  each of the run's entries of its kind (`check_layout`), its metrics log readable up to a
+  torn last line, and not a workdir of s24jax < 0.3 (`check_resumable`)."""
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    raise errors.UserError(f"--workdir {workdir} is a file, not a folder: choose another "
+                           "--workdir")
+  check_layout(workdir)
+  if os.path.isfile(os.path.join(workdir, "metrics.jsonl")):
+    metrics_lib.split_jsonl(os.path.join(workdir, "metrics.jsonl"))
+  check_resumable(workdir)
+
+
+def check_layout(workdir: str) -> None:
+  """A UserError if an entry of the workdir is a file where the run keeps a folder, or a
+  folder where it keeps a file."""
+  for names, want_dir, kind in ((RUN_FOLDERS, True, "a folder"), (RUN_FILES, False, "a file")):
+    for name in names:
+      path = os.path.join(workdir, name)
+      if os.path.lexists(path) and os.path.isdir(path) != want_dir:
+        raise errors.UserError(
+            f"{path} is {'a file' if want_dir else 'a folder'}, but the run keeps {kind} "
+            "there: move it out of the workdir (nothing was changed)")
+
+
+def data_history(workdir: str) -> list[dict[str, Any]]:
+  """The data the workdir's runs trained on, oldest first: [{'source', 'fingerprint', 'step'}]
+  (cache.TokenData's name and fingerprint, the step they were first used at)."""
+  try:
+    with open(os.path.join(workdir, DATA_FINGERPRINT), encoding="utf-8") as f:
+      history = json.load(f)
+  except (OSError, ValueError):
+    return []
+  return [r for r in history if isinstance(r, dict)] if isinstance(history, list) else []
+
+
+def warn_if_data_changed(workdir: str, data: Any, step: int | None) -> None:
+  """A warning if the run resumes (from `step` > 0) on other data (cache.TokenData) than its
+  checkpoints were trained on."""
+  old = (data_history(workdir) or [{}])[-1]
+  if not (step and old and data.fingerprint and data.fingerprint != old.get("fingerprint")):
+    return
+  source = (f"{old.get('source')} -> {data.name}" if old.get("source") != data.name
+            else f"{data.name}, whose tokens changed")
+  logging.warning("DATA CHANGED: the run resumes at step %d on other data than its checkpoints "
+                  "were trained on (%s; fingerprint %s -> %s, recorded at step %s): its batches "
+                  "from here on are not an uninterrupted run's. Restore the data, or start a "
+                  "new --workdir to compare cleanly", step, source, old.get("fingerprint"),
+                  data.fingerprint, old.get("step"))
+
+
+def _record_data(workdir: str, data: Any, step: int) -> None:
+  """Appends the run's data to DATA_FINGERPRINT when it is new (the first start, a change)."""
+  history = data_history(workdir)
+  if data.fingerprint and data.fingerprint != (history or [{}])[-1].get("fingerprint"):
+    history.append({"source": data.name, "fingerprint": data.fingerprint, "step": step})
+    destinations.write_atomic(os.path.join(workdir, DATA_FINGERPRINT),
+                              json.dumps(history, indent=1))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -215,10 +349,14 @@ def check_resumable(workdir: str) -> None:
         f"{old['sparsity']['projection']!r}.")
 
 
-def write_config(workdir: str, config: config_dict.ConfigDict, step: int) -> str | None:
+def write_config(workdir: str, config: config_dict.ConfigDict, step: int,
+                 data: Any = None) -> str | None:
   """Saves the resolved config: config.json at the first start (never overwritten); after a
   resume, config.resumed_at_<step>.json only if a field changed ({'changed': ..., 'config':
-  ...}). Returns the path written, or None."""
+  ...}); and the data's fingerprint (`data`: cache.TokenData) when it is new. Returns the
+  config's path written, or None."""
+  if data is not None:
+    _record_data(workdir, data, step)
   new = as_json(config)
   old = last_config(workdir)
   if old is None:
@@ -232,10 +370,7 @@ def write_config(workdir: str, config: config_dict.ConfigDict, step: int) -> str
                     ", ".join(f"{k} ({v['was']!r} -> {v['now']!r})" for k, v in changed.items()))
     path = os.path.join(workdir, f"config.resumed_at_{step}.json")
     payload = {"changed": changed, "config": new}
-  tmp = path + ".tmp"
-  with open(tmp, "w", encoding="utf-8") as f:
-    json.dump(payload, f, indent=2, sort_keys=True)
-  os.replace(tmp, path)
+  destinations.write_atomic(path, json.dumps(payload, indent=2, sort_keys=True))
   return path
 
 
@@ -247,9 +382,14 @@ def supersede_metrics(workdir: str) -> None:
   path = os.path.join(workdir, "metrics.jsonl")
   if not os.path.exists(path):
     return
-  with open(path, encoding="utf-8") as f:
+  with open(path, encoding="utf-8", errors="replace") as f:
     old = f.read()
-  if old:
+  whole, _, torn = old.rpartition("\n") if not old.endswith("\n") else (old, "", "")
+  if whole.strip():
     with open(os.path.join(workdir, "metrics.superseded.jsonl"), "a", encoding="utf-8") as f:
-      f.write(old if old.endswith("\n") else old + "\n")
+      f.write(whole.rstrip("\n") + "\n")
+  if torn.strip():   # a record torn by a crash or a full disk: kept aside, not as a record
+    with open(path + ".torn", "a", encoding="utf-8") as f:
+      f.write(torn + "\n")
+    logging.warning("%s: its last line was not a whole record: kept in %s.torn", path, path)
   os.remove(path)

@@ -10,6 +10,24 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import gpu_numerics  # noqa: E402  pylint: disable=wrong-import-position (tests/ on sys.path)
+
+if gpu_numerics.enabled():   # S24JAX_TEST_GPU_NUMERICS=1: a GPU's TF32 dots and bf16 'auto'
+  gpu_numerics.install()
+
+
+@pytest.fixture
+def f32_dots():
+  """float32 dots at full float32 precision on every platform, for the tests that compare
+  float32 math with tolerances derived for float32 (unit roundoff 2^-24). A CPU computes
+  float32 dots in float32; a GPU from Ampere on, by default, in TF32 (each operand rounded to
+  10 mantissa bits: a relative error up to 2^-11, 8192 times float32's), unless the dot's
+  precision says otherwise. `S24JAX_TEST_GPU_NUMERICS=1` (gpu_numerics.py) shows on a CPU
+  which tests need this. bfloat16 and FP8 dots are unaffected."""
+  import jax  # pylint: disable=g-import-not-at-top
+  with jax.default_matmul_precision("highest"):
+    yield
+
 
 @pytest.fixture(scope="session")
 def data_cache(tmp_path_factory):

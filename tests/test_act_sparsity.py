@@ -26,6 +26,10 @@ from s24jax.step_info import StepInfo
 
 from tiny import tiny_config
 
+# float32 math against float32 / float64 references: full float32 dots on every platform
+# (a GPU's default is TF32), see conftest.f32_dots.
+pytestmark = pytest.mark.usefixtures("f32_dots")
+
 V, N, M = 8, 2, 8
 
 

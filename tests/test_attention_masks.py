@@ -13,6 +13,10 @@ import pytest
 from s24jax import attention_masks
 from s24jax.model import CausalSelfAttention, ModelConfig
 
+# float32 math against float32 / float64 references: full float32 dots on every platform
+# (a GPU's default is TF32), see conftest.f32_dots.
+pytestmark = pytest.mark.usefixtures("f32_dots")
+
 
 def _mask_loops(pattern: str, T: int, l: int) -> np.ndarray:
   """The definitions, one (q, k) pair at a time."""

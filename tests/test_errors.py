@@ -2,8 +2,9 @@
 converting only what it is told to), the exit codes (distinct, carried by the error classes,
 and every one in the README's table), and the command lines `python -m s24jax.flops` and
 `python -m s24jax.plan` printing a user error as one line with exit code 2 (the planner's
-argument errors before the compile plugin is looked for), called in process. launch.py's
-own: tests/test_launch.py."""
+argument errors before the compile plugin is looked for; a config file that cannot run),
+called in process. launch.py's own: tests/test_launch.py; every command's write paths:
+tests/test_write_paths.py."""
 import os
 import re
 
@@ -59,12 +60,18 @@ def test_exit_codes_are_distinct_and_the_readme_table_lists_each():
   assert isinstance(ckpt_lib.CheckpointMismatchError("x"), errors.UserError)
 
 
-def test_flops_and_plan_name_the_bad_argument_in_one_line(capsys, monkeypatch):
+def test_flops_and_plan_name_the_bad_argument_in_one_line(capsys, monkeypatch, tmp_path):
+  no_get_config = tmp_path / "no_get_config.py"
+  no_get_config.write_text("from s24jax.config import base_config\n")
+  crash = tmp_path / "crash.py"
+  crash.write_text("def get_config(variant=None):\n  return {}['model']\n")
   for argv, named in ((["flops", "experiments/nope.py"], "config file 'experiments/nope.py'"),
                       (["flops", "experiments/gpt2_ste.py:tiny", "optim.lr=-1"],
                        "config.optim.lr=-1.0"),
                       (["flops", "experiments/gpt2_ste.py:tiny", "model.d_modle=1"],
-                       "did you mean model.d_model")):
+                       "did you mean model.d_model"),
+                      (["flops", str(no_get_config)], f"{no_get_config} defines no get_config"),
+                      (["flops", str(crash)], f"raised KeyError: 'model' (at {crash}:2)")):
     with pytest.raises(SystemExit) as e:
       flops._main(argv)   # pylint: disable=protected-access
     assert e.value.code == errors.EXIT_USER

@@ -32,6 +32,10 @@ import hf_reference
 from hf_reference import torch, transformers
 from tiny import tiny_config
 
+# float32 math against float32 / float64 references: full float32 dots on every platform
+# (a GPU's default is TF32), see conftest.f32_dots.
+pytestmark = pytest.mark.usefixtures("f32_dots")
+
 TOKENS = np.random.default_rng(0).integers(0, tokenizer_lib.VOCAB_SIZE, (2, 16))
 
 

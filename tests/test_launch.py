@@ -5,8 +5,10 @@ losses at every logged step, bit for bit (the reference: the same config trained
 without interruption), each step written once; explicit cluster flags imply --distributed;
 bad inputs (a value, a pattern, a checkpoint of another config, a flag) exit 2 with one line
 naming it, no traceback, a new workdir not created and an existing one unchanged byte for
-byte. In process: an internal error keeps its traceback, on the terminal and in train.log
-(exit 1); a user error writes no log; a library's traceback stays off the terminal."""
+byte; Ctrl-C while it imports its libraries is one line (exit 75). In process: an internal
+error keeps its traceback, on the terminal and in train.log (exit 1); a user error writes no
+log; a library's traceback stays off the terminal; the last line names the step as an
+integer. Every fault of the places it writes: tests/test_write_paths.py."""
 import logging as std_logging
 import os
 import signal
@@ -241,3 +243,43 @@ def test_launch_bad_inputs_exit_2_in_one_line_and_leave_the_workdir_as_it_was(
     assert len(lines) == 1, lines
     assert not os.path.exists(tmp_path / "runs")
     assert digest(existing) == before, extra
+
+
+def test_the_last_line_names_the_step_as_an_integer():
+  """A finished run read back from final_metrics.json holds its step as a float (it said
+  "done at step 4.0"); a run stopped by stop_at_step has no finals (it said "done at step
+  None", with nan losses)."""
+  config = config_files.load_config(os.path.join(REPO, "experiments", "gpt2_ste.py") + ":tiny",
+                                    {"stop_at_step": 2})
+  final = {"step": 4.0, "train/loss": 10.80651, "val/loss": 10.7331, "data/unigram_entropy": 6.4178}
+  assert launch.done_line(final, config) == ("done at step 4: train loss 10.8065, val loss "
+                                             "10.7331 (unigram entropy 6.418)")
+  assert launch.done_line({"data/unigram_entropy": 6.4178}, config) == (
+      "stopped at step 2 (config.stop_at_step): nothing logged yet (unigram entropy 6.418)")
+  assert launch.done_line({"train/loss": 9.0}, config) == (
+      "stopped at step 2 (config.stop_at_step): train loss 9.0000")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc to see the imports")
+def test_ctrl_c_while_importing_is_one_line(tmp_path):
+  """SIGINT while launch.py imports its libraries (seconds; much of it in C extensions, where
+  a KeyboardInterrupt became a traceback, an ImportError or a crash): one line, exit 75,
+  nothing written. The signal is sent once jaxlib is loaded, so within the imports."""
+  workdir = tmp_path / "w"
+  proc = subprocess.Popen([sys.executable, os.path.join(REPO, "launch.py"), "--config",
+                           os.path.join(REPO, "experiments", "gpt2_ste.py") + ":tiny",
+                           "--workdir", str(workdir)], env=ENV, cwd=REPO,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  deadline = time.time() + 120
+  while proc.poll() is None and time.time() < deadline:
+    with open(f"/proc/{proc.pid}/maps", encoding="utf-8", errors="replace") as f:
+      if "jaxlib" in f.read():
+        break
+    time.sleep(0.01)
+  proc.send_signal(signal.SIGINT)
+  out, _ = proc.communicate(timeout=120)
+  assert proc.returncode == errors.EXIT_PREEMPTED, out[-3000:]
+  assert out.strip() == ("launch.py: stopped by SIGINT while starting; nothing was written. Run "
+                         "the same command again to start."), out[-3000:]
+  assert not workdir.exists()

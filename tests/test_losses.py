@@ -3,8 +3,13 @@ targets, summed), and the chunked one against the plain one on the full logits, 
 sizes that divide the tokens, do not (the last chunk padded), and exceed them."""
 import jax
 import numpy as np
+import pytest
 
 from s24jax import losses
+
+# float32 math against float32 / float64 references: full float32 dots on every platform
+# (a GPU's default is TF32), see conftest.f32_dots.
+pytestmark = pytest.mark.usefixtures("f32_dots")
 
 
 def test_chunked_cross_entropy_pads_the_last_chunk():

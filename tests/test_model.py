@@ -100,7 +100,7 @@ def test_default_dtype_is_auto_and_float32_on_the_cpu():
     return
   # On the CPU, 'auto' is exactly the float32 model (same parameters, same logits).
   tokens = jax.random.randint(jax.random.key(2), (2, 16), 0, 50257)
-  auto = _model("s_ste")
+  auto = _model("s_ste", overrides={"model.dtype": "auto"})
   f32 = _model("s_ste", overrides={"model.dtype": "float32"})
   assert auto.config.dtype == "auto" and f32.config.dtype == "float32"
   variables = auto.init(jax.random.key(0), tokens)

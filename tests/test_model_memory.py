@@ -19,6 +19,10 @@ from s24jax.step_info import StepInfo
 from tiny import tiny_config
 from train_helpers import tiny_setup
 
+# float32 math against float32 / float64 references: full float32 dots on every platform
+# (a GPU's default is TF32), see conftest.f32_dots.
+pytestmark = pytest.mark.usefixtures("f32_dots")
+
 
 @pytest.mark.parametrize("overrides", [{"loss_chunk": 24}, {"loss_chunk": 7, "remat": "full"},
                                        {"remat": "save_dots"}])

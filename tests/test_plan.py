@@ -60,3 +60,54 @@ json.dump({"real": real, "tight": tight}, open(sys.argv[2], "w"))
     assert tight["total_bytes_per_device"] < tight["total_bytes_without_xla_remat"]
   best = tight["largest_fitting_micro_batch"]
   assert best is None or best < 16
+
+
+@pytest.mark.slow
+@pytest.mark.aot
+def test_planner_reports_each_sparse_gemms_kernel_from_a_table(tmp_path):
+  """The tiny Hu et al. recipe with cusparselt for one H100 (deviceless) and a table that
+  marks only mlp/fc's forward faster than dense (kernel 0.1 + compression 0.2 ms against
+  0.5 ms: it saves 0.2 ms per call) and mlp/proj's dX slower: the report says so per layer
+  and GEMM (the GEMMs without a row run dense, nothing being measurable here), and the
+  compiled step holds exactly fc's forward on cuSPARSELt: W~ compressed once per step and
+  one product, in each of the 2 blocks (unrolled, no remat, one micro-batch)."""
+  from s24jax.kernels.cusparselt import library   # pylint: disable=g-import-not-at-top
+  try:
+    library.toolchain()
+  except library.Unavailable as e:
+    pytest.skip(str(e))
+  # The tiny variant: width 128, FFN 512, 16 x 64 = 1024 tokens per micro-batch; the rows
+  # keyed as docs/backends.md lays the GEMMs out (forward TN: m = out, n = tokens, k = in;
+  # dX NN on W~: m = in, n = tokens, k = out), bf16 (the planner's compute dtype).
+  bf16 = {"a_type": "bf16", "b_type": "bf16", "d_type": "bf16", "d_order": "col"}
+  rows = [{"gemm": "forward", "m": 512, "n": 1024, "k": 128, "layout": "TN", **bf16,
+           "sparse_ms": 0.1, "compress_ms": 0.2, "dense_ms": 0.5},
+          {"gemm": "dgrad", "m": 512, "n": 1024, "k": 128, "layout": "NN", **bf16,
+           "sparse_ms": 0.4, "compress_ms": 0.2, "dense_ms": 0.5}]
+  table = tmp_path / "table.json"
+  table.write_text(json.dumps({"format": "s24jax.gemm_times/1", "rows": rows}))
+  out = tmp_path / "plan.json"
+  run = subprocess.run([sys.executable, "-m", "s24jax.plan", "--config",
+                        "experiments/gpt2_t_sr_ste_df.py:tiny", "--gpu", "h100", "--no-search",
+                        "--set", "sparsity.backend=cusparselt", "--set",
+                        f"sparsity.gemm_table={table}", "--json", str(out)],
+                       cwd=REPO, capture_output=True, text=True, timeout=900,
+                       env=dict(os.environ, S24JAX_CACHE=str(tmp_path / "cache")))
+  assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+  r = json.loads(out.read_text())
+  assert r["gemm_choice"] == "measured"
+  got = {(c["layer"], c["gemm"]): c for c in r["gemm_choices"]}
+  assert set(got) == {(f"h_{i}/mlp/{m}", g) for i in (0, 1) for m in ("fc", "proj")
+                      for g in ("forward", "dgrad", "wgrad")}
+  for (layer, gemm), c in got.items():
+    fc_forward = layer.endswith("fc") and gemm == "forward"
+    assert c["sparse"] == fc_forward, c
+    if fc_forward:
+      assert c["reason"] == "measured faster" and c["calls_per_step"] == 1, c
+      assert c["saving_ms_per_call"] == pytest.approx(0.5 - (0.1 + 0.2))
+    elif layer.endswith("proj") and gemm == "dgrad":
+      assert c["reason"] == "measured slower" and c["saving_ms_per_call"] == 0.0, c
+    else:
+      assert c["reason"] == "nothing measured for it here", c
+  assert r["cusparselt_custom_calls"] == 2 * 2 and r["cusparselt_rule_violations"] == 0
+  assert "h_0/mlp/fc (x1, W~ 512x128, 1024 tokens) forward: 2:4 kernel" in run.stdout

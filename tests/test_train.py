@@ -13,6 +13,10 @@ from s24jax import state as state_lib
 
 from train_helpers import tiny_setup
 
+# float32 math against float32 / float64 references: full float32 dots on every platform
+# (a GPU's default is TF32), see conftest.f32_dots.
+pytestmark = pytest.mark.usefixtures("f32_dots")
+
 
 def _copy(tree):
   return jax.tree.map(jnp.copy, tree)

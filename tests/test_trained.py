@@ -19,6 +19,10 @@ from s24jax.run_spec import RunSpec
 
 from tiny import tiny_config
 
+# float32 math against float32 / float64 references: full float32 dots on every platform
+# (a GPU's default is TF32), see conftest.f32_dots.
+pytestmark = pytest.mark.usefixtures("f32_dots")
+
 
 def _perturbed_state(method, overrides=None, steps=6):
   spec = RunSpec.build(tiny_config(method, steps=steps, overrides=overrides or {}))

@@ -5,25 +5,32 @@ never created and an existing one unchanged byte for byte; sparse-layer patterns
 no layer (an error listing the layers that exist, a warning with the opt-out); a checkpoint
 of another config named by its config fields; the data (a split shorter than one window, ids
 outside the vocabulary); free disk space against one checkpoint's size; the config loader's
-errors. The references are the fields and values written out here, the model's layer paths
-as the test's own config builds them, and the train state's byte count computed by hand."""
+errors (a file that does not run, has no get_config, raises inside it); a compute dtype the
+backend cannot train in; a resume that ignores init_from or runs on changed data; the data
+messages (a foreign token-file header, a mixed folder, a cache folder that is a file). The
+references are the fields and values written out here, the model's layer paths as the test's
+own config builds them, the train state's byte count computed by hand, and each dtype's
+attention gradient run on the backend."""
 import json
 import logging
 import os
+import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from s24jax import checkpoint as ckpt_lib
 from s24jax import errors
 from s24jax import loop
+from s24jax import platform_dtypes
 from s24jax import validate
 from s24jax import workdir as workdir_lib
 from s24jax.data import cache
 
 from tiny import tiny_config
-from train_helpers import digest
+from train_helpers import digest, run_config
 
 # (overrides of the tiny STE config, text the message must hold: the field, and the value or
 # the reason where it tells the user something).
@@ -183,14 +190,28 @@ def test_the_config_loader_names_the_file_variant_or_field(tmp_path):
   with pytest.raises(errors.UserError,
                      match="override 'model.d_modle'.*did you mean model.d_model"):
     validate.load_config("experiments/gpt2_ste.py:tiny", args=["model.d_modle=3"])
-  bad = tmp_path / "bad.py"
-  bad.write_text("def get_config(variant=None):\n  return (\n")
-  with pytest.raises(errors.UserError, match=r"bad.py:2: "):
-    validate.load_config(str(bad))
-  crash = tmp_path / "crash.py"   # a bug in the file's own code keeps its traceback
-  crash.write_text("def get_config(variant=None):\n  raise KeyError('oops')\n")
-  with pytest.raises(KeyError):
-    validate.load_config(str(crash))
+  # A file that cannot run: one line naming the file, and the line where it failed.
+  files = {   # name: (its text, what the message says)
+      "bad.py": ("def get_config(variant=None):\n  return (\n", "bad.py:2: "),
+      "no_get_config.py": ("from s24jax.config import base_config\n",
+                           "no_get_config.py defines no get_config(variant=None)"),
+      "crash.py": ("def get_config(variant=None):\n  raise KeyError('oops')\n",
+                   "crash.py: get_config(None) raised KeyError: 'oops' (at "),
+      "bad_import.py": ("import s24jax.no_such_module\n",
+                        "bad_import.py: running it raised ModuleNotFoundError: No module named "
+                        "'s24jax.no_such_module' (at "),
+      "not_a_config.py": ("def get_config(variant=None):\n  return {'lr': 1}\n",
+                          "get_config() returned dict, not a ConfigDict"),
+  }
+  for name, (text, says) in files.items():
+    (tmp_path / name).write_text(text)
+    with pytest.raises(errors.UserError) as e:
+      validate.load_config(str(tmp_path / name))
+    assert says in str(e.value) and "\n" not in str(e.value), (name, str(e.value))
+    assert e.value.exit_code == errors.EXIT_USER
+  crash = str(tmp_path / "crash.py")
+  with pytest.raises(errors.UserError, match=f"at {crash}:2\\)"):   # the line that raised
+    validate.load_config(crash)
 
 
 def test_a_workdir_that_is_a_file_or_under_a_file(tmp_path, data_cache):
@@ -202,3 +223,96 @@ def test_a_workdir_that_is_a_file_or_under_a_file(tmp_path, data_cache):
       loop.train_and_evaluate(config, str(workdir))
   assert path.read_text() == "x"
   assert json.loads(json.dumps(sorted(os.listdir(tmp_path)))) == ["a_file"]
+
+
+def test_a_dtype_this_backend_cannot_train_in_is_refused_before_anything(tmp_path, data_cache):
+  """config.model.dtype is checked against what the backend computes (the issue's case:
+  float16 passed the checks on a CPU, wrote config.json and checkpoint 0, and crashed at step
+  1). The reference: the gradient of causal attention compiled and run in each dtype."""
+  def runs(dtype):
+    q = jnp.ones((1, 8, 1, 8), dtype)                                           # (B, T, N, hd)
+    loss = lambda q: jnp.sum(jax.nn.dot_product_attention(q, q, q, is_causal=True)
+                             .astype(jnp.float32))
+    try:
+      jax.block_until_ready(jax.jit(jax.grad(loss))(q))
+      return True
+    except Exception:  # pylint: disable=broad-except
+      return False
+
+  works = [d for d in platform_dtypes.FLOATS if runs(d)]
+  assert platform_dtypes.working() == works
+  for dtype in platform_dtypes.FLOATS:
+    config = _config({"model.dtype": dtype}, data_cache)
+    if dtype in works:
+      platform_dtypes.check(dtype)
+      continue
+    with pytest.raises(errors.UserError) as e:
+      loop.train_and_evaluate(config, str(tmp_path / "w"))
+    message = str(e.value)
+    assert message.startswith(f"config.model.dtype='{dtype}': the {jax.default_backend()} "
+                              f"backend cannot train in {dtype} (") and "\n" not in message
+    assert message.endswith(f"dtypes that work here: {', '.join(works)} ('auto' picks one)")
+    assert not os.path.exists(tmp_path / "w")
+
+
+def test_a_resume_says_when_init_from_or_the_data_changed(undisturbed, tmp_path, data_cache,
+                                                          caplog):
+  """A resumed run starts from its checkpoint: a new init_from is said to be unused; data
+  whose tokens differ from those the checkpoints were trained on (the token cache's
+  fingerprint, recorded by the first start) are named. Neither changes the workdir."""
+  history = workdir_lib.data_history(undisturbed)
+  assert [(r["source"], r["step"]) for r in history] == [("shakespeare", 0)]
+  for overrides, says in (({}, None),
+                          ({"init_from": "/some/hf_dir"}, "config.init_from='/some/hf_dir' is "
+                           "not used: the run resumes from its checkpoint at step 24"),
+                          ({"data.max_docs": 30}, "DATA CHANGED: the run resumes at step 24 on "
+                           "other data than its checkpoints were trained on (shakespeare, "
+                           f"whose tokens changed; fingerprint {history[0]['fingerprint']} -> ")):
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+      checked = validate.check_run(run_config(data_cache, **overrides), undisturbed)
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    if says is None:
+      assert checked.data.fingerprint == history[0]["fingerprint"] and not warned, warned
+    else:
+      assert len([w for w in warned if says in w]) == 1, warned
+
+
+def test_data_messages_say_what_is_wrong_and_what_to_do(tmp_path, caplog):
+  """A token file whose header is llm.c's but whose magic is not (read before as raw ids
+  "from another tokenizer"), llm.c's LLaMA 3 files; a folder of .txt and .jsonl files; a
+  cache folder that is a file (read before as a damaged cache entry, "TOKEN CACHE REBUILT")."""
+  folder = tmp_path / "bins"
+  folder.mkdir()
+  for name, magic, says in (
+      ("train.bin", 20240521, "its first 1024 bytes are an llm.c header (version 1, 100 "
+       "tokens, which is the file's size) but its magic is 20240521, not llm.c's 20240520"),
+      ("train.bin", 20240801, "llm.c's LLaMA 3 layout (magic 20240801, uint32 ids)")):
+    header = np.zeros(256, "<i4")
+    header[:3] = magic, 1, 100
+    (folder / name).write_bytes(header.tobytes() + np.arange(100, dtype="<u2").tobytes())
+    config = tiny_config("ste", overrides={"data.path": str(folder),
+                                           "data.cache_dir": str(tmp_path / "cache")})
+    with pytest.raises(errors.UserError, match=re.escape(says)):
+      validate.load_tokens(config)
+  mixed = tmp_path / "mixed"
+  mixed.mkdir()
+  (mixed / "a.txt").write_text("A document. " * 40)
+  (mixed / "b.txt").write_text("Another one. " * 40)
+  (mixed / "c.jsonl").write_text(json.dumps({"text": "left out"}) + "\n")
+  config = tiny_config("ste", overrides={"data.path": str(mixed),
+                                         "data.cache_dir": str(tmp_path / "cache")})
+  with caplog.at_level(logging.WARNING):
+    validate.load_tokens(config)
+  assert f"config.data.path={str(mixed)!r} holds .txt files and jsonl files: reading the .txt " \
+         "files only" in caplog.text and "config.data.name to jsonl" in caplog.text
+  a_file = tmp_path / "a_file"
+  a_file.write_text("x")
+  caplog.clear()
+  config.data.cache_dir = str(a_file)
+  with caplog.at_level(logging.WARNING):
+    with pytest.raises(errors.UserError) as e:
+      validate.load_tokens(config)
+  assert str(e.value) == (f"the token cache folder {a_file}: {a_file} is a file, not a folder; "
+                          f"choose another {cache.CACHE_FLAG}")
+  assert "TOKEN CACHE REBUILT" not in caplog.text and a_file.read_text() == "x"

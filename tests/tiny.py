@@ -18,6 +18,9 @@ def tiny_config(method: str = "s_ste", *, steps: int = 6, workdir_cache: str | N
   c.batch_size = 4
   c.model.seq_len = 16
   c.model.num_layers, c.model.num_heads, c.model.d_model = 1, 2, 32
+  # float32 on every platform ('auto' is bfloat16 on a GPU): the tests compare these models
+  # against float32 / float64 references, at float32 tolerances.
+  c.model.dtype = "float32"
   c.optim.warmup_steps = 2
   c.optim.lr = 1e-2
   c.log_every = 1

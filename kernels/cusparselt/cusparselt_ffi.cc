@@ -16,9 +16,11 @@
 // cuSPARSELt handles must not be shared across threads (NVIDIA's advice, relayed in
 // pytorch/pytorch#113776; PyTorch keeps a thread-local handle per device since #114273), and
 // with nothing shared there is no lock, so one device's algorithm search never stalls
-// another's GEMMs. Workspace and compression buffers come from XLA's scratch allocator; all
-// work runs on XLA's stream. Every cuSPARSELt or CUDA failure comes back as an FFI error
-// naming the call and the status; nothing aborts the process.
+// another's GEMMs. Workspace and compression buffers come from XLA's scratch allocator,
+// 256-byte aligned under XLA's limit of 16 (scratch.h; rules.py, R10, X1, X3); all work runs on
+// XLA's stream. Every cuSPARSELt, CUDA or XLA failure comes back as an FFI error naming the
+// call and carrying the other side's own message (the library's status name and text, CUDA's
+// error, XLA's allocator message); nothing aborts the process.
 //
 // The compressed output has the size rules.py gives (R9: 9/16 of the dense A's bytes for
 // 16-bit types, 10/16 for 8-bit: half the values and 2 bits per kept value), known without a
@@ -39,16 +41,20 @@
 #include <tuple>
 #include <utility>
 
+#include "scratch.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using s24jax_cusparselt::AlignedScratch;
+using s24jax_cusparselt::XlaScratch;
 
 namespace {
 
 std::string Status(const char* call, cusparseStatus_t status) {
   std::ostringstream out;
   out << "cuSPARSELt: " << call << " failed with status " << static_cast<int>(status) << " ("
-      << cusparseLtGetErrorName(status) << ": " << cusparseLtGetErrorString(status) << ")";
+      << cusparseLtGetErrorName(status) << ": " << cusparseLtGetErrorString(status)
+      << "; CUSPARSELT_LOG_LEVEL=1 prints the library's reason)";
   return out.str();
 }
 
@@ -108,15 +114,17 @@ ffi::ErrorOr<cusparseLtHandle_t*> Handle(int device) {
   return (handles[device] = std::move(handle)).get();
 }
 
-void* Scratch(ffi::ScratchAllocator& scratch, size_t bytes) {
-  if (bytes == 0) return nullptr;
-  auto p = scratch.Allocate(bytes, 256);
-  return p.has_value() ? *p : nullptr;
+// `bytes` of 256-byte aligned scratch (nullptr for 0 bytes), or the error naming `what`, the
+// bytes and alignment asked and XLA's message (scratch.h).
+ffi::ErrorOr<void*> Scratch(XlaScratch& scratch, size_t bytes, const char* what) {
+  s24jax_cusparselt::Scratch s = AlignedScratch(scratch, bytes, what);
+  if (!s.error.empty()) return ffi::Unexpected(ffi::Error::Internal(std::move(s.error)));
+  return s.data;
 }
 
 // The plan of `key` on this thread, made (and its algorithm searched) on first use.
 ffi::ErrorOr<Plan*> GetPlan(const Key& key, cudaStream_t stream,
-                            ffi::ScratchAllocator& scratch) {
+                            XlaScratch& scratch) {
   auto it = plans.find(key);
   if (it != plans.end()) return it->second.get();
   auto h = Handle(key.device);
@@ -175,17 +183,17 @@ ffi::ErrorOr<Plan*> GetPlan(const Key& key, cudaStream_t stream,
                   : key.b_type == CUDA_R_32F ? 4 : 1;
   size_t elem_d = key.d_type == CUDA_R_16BF || key.d_type == CUDA_R_16F ? 2
                   : key.d_type == CUDA_R_32F ? 4 : 1;
-  void* sa = Scratch(scratch, a_bytes);
-  void* sb = Scratch(scratch, size_t(key.k) * key.n * elem_b);
-  void* sd = Scratch(scratch, size_t(key.m) * key.n * elem_d);
-  void* sw = Scratch(scratch, workspace);
-  if (!sa || !sb || !sd || (workspace && !sw))
-    return ffi::Unexpected(ffi::Error::Internal(
-        "cuSPARSELt: XLA's scratch allocator could not provide the algorithm search's "
-        "buffers"));
+  auto sa = Scratch(scratch, a_bytes, "the algorithm search's compressed A");
+  if (sa.has_error()) return ffi::Unexpected(sa.error());
+  auto sb = Scratch(scratch, size_t(key.k) * key.n * elem_b, "the algorithm search's B");
+  if (sb.has_error()) return ffi::Unexpected(sb.error());
+  auto sd = Scratch(scratch, size_t(key.m) * key.n * elem_d, "the algorithm search's D");
+  if (sd.has_error()) return ffi::Unexpected(sd.error());
+  auto sw = Scratch(scratch, workspace, "the algorithm search's workspace");
+  if (sw.has_error()) return ffi::Unexpected(sw.error());
   float alpha = 1.0f, beta = 0.0f;
-  if ((s = cusparseLtMatmulSearch(handle, &p->plan, &alpha, sa, sb, &beta, sd, sd, sw, &stream,
-                                  1)) != CUSPARSE_STATUS_SUCCESS)
+  if ((s = cusparseLtMatmulSearch(handle, &p->plan, &alpha, *sa, *sb, &beta, *sd, *sd, *sw,
+                                  &stream, 1)) != CUSPARSE_STATUS_SUCCESS)
     return ffi::Unexpected(err("cusparseLtMatmulSearch", s));
   // The search may pick an algorithm with other needs: ask again.
   if ((s = cusparseLtMatmulGetWorkspace(handle, &p->plan, &p->workspace)) !=
@@ -223,7 +231,7 @@ ffi::DataType TypeNamed(std::string_view name) {
 // The plan of a GEMM (made on first use), on `device`, for the calling thread. Plans are
 // never freed, so the pointer stays valid for the thread's life.
 ffi::ErrorOr<Plan*> PlanFor(const ffi::ErrorOr<Key>& key, int32_t device, cudaStream_t stream,
-                            ffi::ScratchAllocator& scratch) {
+                            XlaScratch& scratch) {
   if (key.has_error()) return ffi::Unexpected(key.error());
   cudaError_t err = cudaSetDevice(device);
   if (err != cudaSuccess)
@@ -233,7 +241,7 @@ ffi::ErrorOr<Plan*> PlanFor(const ffi::ErrorOr<Key>& key, int32_t device, cudaSt
   return GetPlan(*key, stream, scratch);
 }
 
-ffi::Error Compress(cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t device,
+ffi::Error Compress(cudaStream_t stream, XlaScratch scratch, int32_t device,
                     ffi::AnyBuffer dense, ffi::Result<ffi::AnyBuffer> compressed, int64_t m,
                     int64_t n, int64_t k, bool trans_a, bool trans_b, bool d_row_major,
                     std::string_view b_dtype, std::string_view d_dtype) {
@@ -249,15 +257,14 @@ ffi::Error Compress(cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t 
         " the trace reserved (kernels/cusparselt/rules.py, R9: 9/16 of the dense bytes for "
         "16-bit types, 10/16 for 8-bit); raise the bound there (compressed_bytes)");
   }
-  void* buffer = Scratch(scratch, p->compress_buffer);
-  if (p->compress_buffer && !buffer)
-    return ffi::Error::Internal("cuSPARSELt: no scratch for the compression buffer");
+  auto buffer = Scratch(scratch, p->compress_buffer, "the compression buffer");
+  if (buffer.has_error()) return buffer.error();
   S24_CUSPARSELT(cusparseLtSpMMACompress(p->handle, &p->plan, dense.untyped_data(),
-                                         compressed->untyped_data(), buffer, stream));
+                                         compressed->untyped_data(), *buffer, stream));
   return ffi::Error::Success();
 }
 
-ffi::Error Spmm(cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t device,
+ffi::Error Spmm(cudaStream_t stream, XlaScratch scratch, int32_t device,
                 ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer> d, int64_t m,
                 int64_t n, int64_t k, bool trans_a, bool trans_b, bool d_row_major,
                 std::string_view a_dtype) {
@@ -266,23 +273,23 @@ ffi::Error Spmm(cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t devi
                      device, stream, scratch);
   if (plan.has_error()) return plan.error();
   Plan* p = *plan;
-  void* workspace = Scratch(scratch, p->workspace);
-  if (p->workspace && !workspace)
-    return ffi::Error::Internal("cuSPARSELt: no scratch for the matmul workspace");
+  auto workspace = Scratch(scratch, p->workspace, "the matmul workspace");
+  if (workspace.has_error()) return workspace.error();
   float alpha = 1.0f, beta = 0.0f;
   S24_CUSPARSELT(cusparseLtMatmul(p->handle, &p->plan, &alpha, a.untyped_data(),
                                   b.untyped_data(), &beta, d->untyped_data(),
-                                  d->untyped_data(), workspace, &stream, 1));
+                                  d->untyped_data(), *workspace, &stream, 1));
   return ffi::Error::Success();
 }
 
 }  // namespace
 
-// Both handlers' context: XLA's stream, its scratch allocator, the device.
+// Both handlers' context: XLA's stream, its scratch allocator (with its messages kept:
+// scratch.h), the device.
 auto WithContext() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::PlatformStream<cudaStream_t>>()
-      .Ctx<ffi::ScratchAllocator>()
+      .Ctx<XlaScratch>()
       .Ctx<ffi::DeviceOrdinal>();
 }
 

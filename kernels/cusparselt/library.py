@@ -3,9 +3,10 @@
 Built where it runs, with the system C++ compiler (no nvcc: cuSPARSELt is a host API working
 on XLA's stream), against this jaxlib's FFI headers (`jax.ffi.include_dir()`) and the
 cuSPARSELt and CUDA runtime headers and libraries of the `nvidia-*` wheels
-(`pip install -r requirements-gpu.txt`, or `requirements-cusparselt.txt` alone). The shared library is cached under the s24jax cache
-(`$S24JAX_CACHE`, else `~/.cache/s24jax`) in `cusparselt/`, keyed by the jaxlib and cuSPARSELt
-versions and the source's hash, so an upgrade rebuilds. The build needs no GPU.
+(`pip install -r requirements-gpu.txt`, or `requirements-cusparselt.txt` alone). The shared
+library is cached under the s24jax cache (`$S24JAX_CACHE`, else `~/.cache/s24jax`) in
+`cusparselt/`, keyed by the jaxlib and cuSPARSELt versions and the hash of the source and the
+headers it includes (scratch.h), so an upgrade or an edit rebuilds. The build needs no GPU.
 
 `register()` preloads the wheel's libcudart and libcusparseLt (so the handler's sonames
 resolve) and registers the FFI targets `cusparselt_compress` and `cusparselt_spmm` for the
@@ -28,6 +29,8 @@ import jax
 import jaxlib
 
 SOURCE = pathlib.Path(__file__).with_name("cusparselt_ffi.cc")
+# The headers SOURCE includes from this folder: part of the cache key.
+HEADERS = (pathlib.Path(__file__).with_name("scratch.h"),)
 # FFI target name -> the handler's symbol in the library. Every target starts with PREFIX:
 # kernels.aot.hlo_census counts custom calls by it (the planner's cusparselt_custom_calls).
 TARGETS = {"cusparselt_compress": "CusparseltCompress", "cusparselt_spmm": "CusparseltSpmm"}
@@ -71,18 +74,24 @@ def _cuda_root() -> pathlib.Path:
       f"{'; found only ' + ', '.join(found) if found else ''}.")
 
 
-def toolchain() -> Toolchain:
-  root = _cuda_root()
-  compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-  if not compiler:
+def compiler() -> str:
+  """The C++17 compiler the handlers are built with: $CXX, else g++, else c++."""
+  found = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+  if not found:
     raise Unavailable("sparsity.backend='cusparselt' builds its FFI handlers with a C++17 "
                       "compiler on first use, and none was found (set CXX, or install g++: "
                       "`apt-get install g++`).")
+  return found
+
+
+def toolchain() -> Toolchain:
+  root = _cuda_root()
+  cxx = compiler()
   header = (root / "include" / "cusparseLt.h").read_text(errors="replace")
   parts = [re.search(rf"#define CUSPARSELT_VER_{p}\s+(\d+)", header) for p in
            ("MAJOR", "MINOR", "PATCH")]
   version = ".".join(m.group(1) for m in parts) if all(parts) else "unknown"
-  return Toolchain(root, pathlib.Path(jax.ffi.include_dir()), compiler, version)
+  return Toolchain(root, pathlib.Path(jax.ffi.include_dir()), cxx, version)
 
 
 def cache_dir() -> pathlib.Path:
@@ -92,10 +101,18 @@ def cache_dir() -> pathlib.Path:
 
 
 def library_path(tools: Toolchain) -> pathlib.Path:
-  """The cached library for this jaxlib, this cuSPARSELt and this source."""
-  digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+  """The cached library for this jaxlib, this cuSPARSELt, this source and its headers."""
+  digest = source_digest()
   return cache_dir() / (f"s24jax_cusparselt_jaxlib{jaxlib.__version__}_"
                         f"cusparselt{tools.cusparselt_version}_{digest}.so")
+
+
+def source_digest() -> str:
+  """A hash of the handlers' source and the headers it includes (the cache key's part)."""
+  sha = hashlib.sha256()
+  for path in (SOURCE, *HEADERS):
+    sha.update(path.name.encode() + b"\0" + path.read_bytes())
+  return sha.hexdigest()[:12]
 
 
 def build_command(tools: Toolchain, out: pathlib.Path) -> list[str]:

@@ -34,6 +34,35 @@ release_notes.html). [PT]: PyTorch's aten/src/ATen/native/sparse/cuda/cuSPARSELt
       1/16 of a 16-bit and 2/16 of an 8-bit operand's bytes) [PT, before it asked
       cusparseLtSpMMACompressedSize2]. The FFI handler checks the library's own figure
       against this bound at run time and stops with a clear error if it does not fit.
+  R10 Device pointers: the library refuses a d_A, d_B, d_C or d_D whose alignment is not a
+      multiple of 16 bytes ("unsupported alignment value for d_A ({}), only multiples of 16
+      are supported") [BIN]. For the workspace and the compression buffer no alignment was
+      found stated (neither in the library's strings [BIN] nor in the parts of the docs read
+      [DOC]). s24jax gives every scratch buffer 256 bytes (SCRATCH_ALIGNMENT): cuBLASLt
+      documents at least 256 for its matmul workspace (cublasLtMatmul), and PyTorch's
+      `_cslt_*` take the workspace and compression buffer from the CUDA caching allocator
+      [PT], whose blocks are cudaMalloc segments (256-byte aligned) cut at multiples of 512
+      bytes (c10/cuda/CUDACachingAllocator.cpp, kMinBlockSize).
+
+XLA's side of the FFI contract, which the handlers (cusparselt_ffi.cc, scratch.h) live under.
+[XLA]: openxla/xla, xla/ffi/ffi_api.cc, `XLA_FFI_DeviceMemory_Allocate` (read at commit
+0e8e32a2); [ffi.h], [api.h]: xla/ffi/api/ of jaxlib 0.10.2 (`jax.ffi.include_dir()`), whose
+`ScratchAllocator` and its decoding are those of openxla/xla's current ffi.h too.
+
+  X1  Scratch alignment: `XLA_FFI_DeviceMemory_Allocate` refuses any alignment that is not a
+      power of two or is above 16 (`kMaxAlignment = 16`; "Unsupported alignment: %d") [XLA];
+      seen on an H100 with jaxlib 0.11.2 (2026-11-27), where the handlers asked for 256 and
+      every cuSPARSELt call failed. So the handlers ask for bytes + 255 at alignment 16 and
+      round the pointer up to 256 (scratch.h; tests/kernels/test_cusparselt_scratch.py).
+  X2  Scratch exists only on a GPU: without XLA's GPU context the call fails ("XLA FFI GPU
+      context is not available") [XLA]; a CPU handler gets none at any alignment (jaxlib
+      0.10.2: `Allocate(1024, 16)` fails, checked for issue 35), so X1 is tested against a
+      fake of XLA's C API.
+  X3  `ffi::ScratchAllocator::Allocate` returns an empty optional on failure and writes XLA's
+      message to the DiagnosticEngine it was decoded with [ffi.h]; XLA reads that engine only
+      when decoding the handler's operands fails [api.h, Handler::Call]. The handlers decode
+      the allocator with an engine of their own (scratch.h, `XlaScratch`) and put XLA's
+      message, the buffer, its bytes and the alignment asked into their error.
 
 Not checkable without a GPU, and so only written here: whether an algorithm (a kernel) exists
 for a given shape on a given GPU (cusparseLtMatmulAlgSelectionInit / PlanInit), and the
@@ -51,6 +80,8 @@ TYPES_8 = ("e4m3", "e5m2")
 MAX_MN = 2_097_120                                   # R6
 MIN_COMPUTE_CAPABILITY = (8, 0)                      # R8
 FP8_MIN_COMPUTE_CAPABILITY = (8, 9)                  # R8
+SCRATCH_ALIGNMENT = 256                              # R10: what the handlers give every buffer
+XLA_MAX_SCRATCH_ALIGNMENT = 16                       # X1
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,13 @@ The sidecar records each split's size, largest token id and checksum (`file_chec
 of the whole file up to FULL_HASH_BYTES, of SAMPLE_BLOCKS evenly spaced blocks beyond, so
 that a start costs at most ~64 MiB of reading whatever the corpus), and every open checks
 them: a file changed since it was written (truncated, overwritten, zeroed) is rebuilt with a
-warning instead of being trained on.
+warning instead of being trained on. The cache folder is checked before a build (a file in
+its way, a folder this process cannot write: one line naming config.data.cache_dir), never
+read as a damaged entry.
+
+`TokenData.fingerprint` identifies the tokens a run trains on (the splits' checksums; for
+token files, their paths, sizes and modification times): a resumed run compares it with the
+one its workdir recorded (s24jax/workdir.py) and says when the data changed.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from typing import Any, Iterable
 from absl import logging
 import numpy as np
 
+from s24jax import destinations
 from s24jax.data import sources
 from s24jax.data import tokenizer
 
@@ -148,6 +155,18 @@ def _read_meta(directory: pathlib.Path, key: dict[str, Any]) -> dict[str, Any] |
   return _check_entry(directory, key)[0]
 
 
+CACHE_FLAG = 'config.data.cache_dir (else $S24JAX_CACHE, else ~/.cache/s24jax)'
+
+
+def check_cache_root(root: pathlib.Path) -> None:
+  """A DestinationError if a file stands where the cache folder (or a folder above it) is."""
+  blocker = destinations.file_in_the_way(str(root / 'x'))
+  if blocker:
+    raise destinations.DestinationError(
+        f'the token cache folder {root}: {blocker} is a file, not a folder; choose another '
+        f'{CACHE_FLAG}')
+
+
 def prepare_token_cache(source: sources.Source, root: pathlib.Path,
                         enc: tokenizer.Tokenizer | None = None
                         ) -> tuple[pathlib.Path, dict[str, Any]]:
@@ -159,10 +178,12 @@ def prepare_token_cache(source: sources.Source, root: pathlib.Path,
   enc = enc or tokenizer.Gpt2Tokenizer()
   key = cache_key(source.key, enc)
   directory = cache_path(root, source.name, key)
+  check_cache_root(root)
   meta, problem = _check_entry(directory, key)
   if meta is not None:
     logging.info('Token cache hit for %s: %s', source.name, directory)
     return directory, meta
+  destinations.check_folder(str(directory), what='the token cache', flag=CACHE_FLAG)
   if problem:
     logging.warning('TOKEN CACHE REBUILT: the entry for %s in %s failed its check: %s. '
                     'Tokenizing the source again.', source.name, directory, problem)
@@ -201,6 +222,11 @@ class TokenData:
   vocab_size: int
   name: str
   max_id: int | None = None  # the largest id in either split (from the sidecar)
+  fingerprint: str | None = None   # what the tokens are (module docstring)
+
+
+def _digest(value: Any) -> str:
+  return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def data_tokenizer(data_cfg: Any) -> tokenizer.Tokenizer:
@@ -217,13 +243,14 @@ def load_tokens(data_cfg: Any) -> TokenData:
   if streams is not None:
     train, val, max_id = streams(enc)
     return TokenData(train=train, val=val, vocab_size=enc.n_vocab, name=source.name,
-                     max_id=int(max_id))
+                     max_id=int(max_id), fingerprint=_digest([source.key, enc.name]))
   root = sources.cache_root(getattr(data_cfg, 'cache_dir', None))
   directory, meta = prepare_token_cache(source, root, enc)
   arrays = {s: np.memmap(directory / f'{s}.bin', dtype=np.uint16, mode='r') for s in _SPLITS}
   max_id = max(meta['splits'][s]['max_id'] for s in _SPLITS)
   return TokenData(train=arrays['train'], val=arrays['val'], vocab_size=meta['vocab_size'],
-                   name=source.name, max_id=max_id)
+                   name=source.name, max_id=max_id,
+                   fingerprint=_digest([meta['splits'][s]['checksum'] for s in _SPLITS]))
 
 
 def token_cache_meta(data_cfg: Any) -> dict[str, Any] | None:

@@ -178,7 +178,7 @@ def path_kind(path: str) -> str:
     if p.name.endswith(token_files.SUFFIX):
       return TOKEN_FILES
     return columnar.kind_of(p) or TEXT_FOLDER
-  if not p.is_dir() or any(f.is_file() for f in p.rglob('*.txt')):
+  if not p.is_dir():
     return TEXT_FOLDER
   kinds = set()
   for f in p.rglob('*'):
@@ -187,6 +187,13 @@ def path_kind(path: str) -> str:
         kinds.add(TOKEN_FILES)
       elif columnar.kind_of(f):
         kinds.add(columnar.kind_of(f))
+  if any(f.is_file() for f in p.rglob('*.txt')):   # .txt wins (the existing rule), said aloud
+    if kinds:
+      logging.warning('config.data.path=%r holds .txt files and %s files: reading the .txt '
+                      'files only (one document per file), the others are left out. Set '
+                      'config.data.name to %s to read those instead, or move the .txt files '
+                      'out', path, ' and '.join(sorted(kinds)), ' or '.join(sorted(kinds)))
+    return TEXT_FOLDER
   if len(kinds) > 1:
     raise ValueError(f'config.data.path={path!r} holds {" and ".join(sorted(kinds))} files; '
                      'set config.data.name to the one to read (' + ', '.join(FILE_SOURCES) + ')')

@@ -37,6 +37,7 @@ import numpy as np
 from s24jax import errors
 
 MAGIC = 20240520
+MAGIC_LLAMA3 = 20240801   # llm.c's uint32 LLaMA 3 files (dev/data/data_common.py)
 VERSION_UINT16 = 1
 VERSION_UINT32 = 2
 HEADER_INTS = 256
@@ -96,10 +97,42 @@ def inspect(path: str | os.PathLike[str]) -> Shard:
       raise TokenFileError(f'token file {path}: corrupt: its header says {count} tokens '
                            f'({expected} bytes with the header) but the file has {size} bytes')
     return Shard(path, HEADER_BYTES, count)
+  if len(head) == HEADER_BYTES:
+    _check_not_a_foreign_header(path, size, np.frombuffer(head, dtype='<i4'))
   if size % 2:
     raise TokenFileError(f'token file {path}: {size} bytes, an odd number: not uint16 token '
                          f'ids (nor an llm.c file: no magic {MAGIC} in its first 4 bytes)')
   return Shard(path, 0, size // 2)
+
+
+def _check_not_a_foreign_header(path: pathlib.Path, size: int, header: np.ndarray) -> None:
+  """A file whose first 1024 bytes read as llm.c's header (a known version, a token count
+  that gives the file's size) but with another magic: a damaged or foreign header, not raw
+  ids (whose first ids would otherwise be reported as another tokenizer's)."""
+  if int(header[0]) == MAGIC_LLAMA3:
+    raise TokenFileError(f'token file {path}: llm.c\'s LLaMA 3 layout (magic {MAGIC_LLAMA3}, '
+                         f'uint32 ids); s24jax reads GPT-2 uint16 ids (magic {MAGIC})')
+  version, count = int(header[1]), int(header[2])
+  width = {VERSION_UINT16: 2, VERSION_UINT32: 4}.get(version)
+  if width and count > 0 and size == HEADER_BYTES + width * count:
+    raise TokenFileError(
+        f'token file {path}: its first {HEADER_BYTES} bytes are an llm.c header (version '
+        f'{version}, {count} tokens, which is the file\'s size) but its magic is '
+        f'{int(header[0])}, not llm.c\'s {MAGIC}: the header is damaged or from another '
+        'tool. Rewrite the file (llm.c\'s write_datafile, or token_files.write_shard), or '
+        'strip the header to keep raw uint16 ids')
+
+
+def _header_hint(shard: Shard, n_vocab: int) -> str:
+  """For a raw file whose first ids are out of the vocabulary: it may hold a header."""
+  if shard.has_header or shard.count < 2:
+    return ''
+  first = np.asarray(shard.open()[:2])
+  if (first >= n_vocab).any():
+    return (f' Its first two ids ({int(first[0])}, {int(first[1])}) are out of range: if the '
+            'file starts with a header (another tool\'s, or a damaged llm.c one), that is '
+            'what is read as ids.')
+  return ''
 
 
 def _max_cache_file(cache_root: pathlib.Path | None, shard: Shard) -> pathlib.Path | None:
@@ -127,13 +160,23 @@ def max_id(shard: Shard, cache_root: pathlib.Path | None = None) -> tuple[int, b
 
 
 def remember_max_id(shard: Shard, top: int, cache_root: pathlib.Path | None) -> None:
+  """Writes the memo; a cache folder that cannot be written only costs the next start a
+  read of the file (a warning)."""
   memo = _max_cache_file(cache_root, shard)
   if memo is None:
     return
-  memo.parent.mkdir(parents=True, exist_ok=True)
   tmp = memo.with_name(f'{memo.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}')
-  tmp.write_text(json.dumps({'path': str(shard.path), 'max_id': top}))
-  os.replace(tmp, memo)
+  try:
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    tmp.write_text(json.dumps({'path': str(shard.path), 'max_id': top}))
+    os.replace(tmp, memo)
+  except OSError as e:
+    logging.warning('cannot remember the largest id of %s in %s (%s): the next start reads the '
+                    'file again', shard.path, memo.parent, e.strerror or e)
+    try:
+      tmp.unlink(missing_ok=True)
+    except OSError:
+      pass
 
 
 def check_vocab(shard: Shard, top: int, n_vocab: int, tokenizer_name: str) -> None:
@@ -143,7 +186,8 @@ def check_vocab(shard: Shard, top: int, n_vocab: int, tokenizer_name: str) -> No
         f'token file {shard.path}: holds token id {top}, outside the vocabulary of '
         f'config.data.tokenizer ({tokenizer_name}: ids 0..{n_vocab - 1}). Its ids come from '
         'another tokenizer; set config.data.tokenizer to the one that wrote it (gpt2: '
-        'GPT-2\'s BPE, as nanoGPT and llm.c write; bytes: UTF-8 bytes).')
+        'GPT-2\'s BPE, as nanoGPT and llm.c write; bytes: UTF-8 bytes).'
+        + _header_hint(shard, n_vocab))
 
 
 class ShardedTokens:

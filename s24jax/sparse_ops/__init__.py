@@ -26,9 +26,11 @@ a backend is chosen:
   cusparselt.py   'cusparselt': cuSPARSELt on A100 / H100 (compiled, never run), FP8, W~
                   compressed once per step (`prepare`), per device under a mesh
 
-with common.py (the reference GEMMs, the MVUE operand, FP8 scaling, the key's cotangent)
-and backend.py (`Backend`, the registry). A new backend is one file and one
-`register_backend` call.
+with common.py (the reference GEMMs, the MVUE operand, FP8 scaling, the key's cotangent),
+backend.py (`Backend`, the registry) and gemm_choice.py (`sparsity.gemm_choice`: which GEMMs
+run on a backend's 2:4 kernel; 'cusparselt' consults it) with gemm_times.py (the measured
+times it reads: a table file, this machine's cache, the device). A new backend
+is one file and one `register_backend` call.
 
 The key: MVUE needs randomness in the backward pass. The caller passes a PRNG key per layer
 and per step (`SparseLinear` draws it with `make_rng('mvue')` from the `rngs={'mvue': ...}`
@@ -40,6 +42,8 @@ from __future__ import annotations
 import jax
 
 from s24jax.sparse_ops import cusparselt
+from s24jax.sparse_ops import gemm_choice
+from s24jax.sparse_ops import gemm_times
 from s24jax.sparse_ops import pallas
 from s24jax.sparse_ops import tcgen05
 from s24jax.sparse_ops import xla
@@ -48,7 +52,7 @@ from s24jax.sparse_ops.backend import (Backend, available_backends, check, get_b
 from s24jax.sparse_ops.options import FP8_BACKWARD_AUTO, FP8_BACKWARD_OPERANDS, GemmOptions
 
 __all__ = ["Backend", "GemmOptions", "FP8_BACKWARD_AUTO", "FP8_BACKWARD_OPERANDS", "available_backends", "check",
-           "get_backend", "register_backend", "sparse_linear"]
+           "gemm_choice", "gemm_times", "get_backend", "register_backend", "sparse_linear"]
 
 for _name, _backend in [("xla", xla.BACKEND), ("pallas", pallas.BACKEND),
                         ("pallas_always", pallas.ALWAYS), ("tcgen05", tcgen05.BACKEND),

@@ -12,13 +12,18 @@ from typing import Callable
 
 import jax
 
+from s24jax.sparse_ops import gemm_choice
 from s24jax.sparse_ops.options import GemmOptions
 
 # (opts, x (N, in), W~ (out, in), key | None, prepared) -> y (N, out) in x's dtype, with the
 # three-GEMM backward (a jax.custom_vjp); `prepared` is what `Backend.prepare` made, or {}.
 LinearFn = Callable[[GemmOptions, jax.Array, jax.Array, "jax.Array | None", dict], jax.Array]
-# (W~ (out, in), tokens per device, compute dtype, opts) -> {name: array}
+# (W~ (out, in), tokens per device, compute dtype, opts, micro-batches per step) -> {name: array}
 PrepareFn = Callable[..., dict]
+# (opts, W~'s shape (out, in), tokens per device, compute dtype, micro-batches per step) ->
+# the gemm_choice.Choice of each GEMM of such a layer (forward, dgrad, wgrad), as the step
+# makes them when it is traced.
+ChoicesFn = Callable[..., "list[gemm_choice.Choice]"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,12 +39,16 @@ class Backend:
   needs_24: W~ must be 2:4 along `in` (compressed kernels); 'xla' takes any W~.
   fp8_backward: the FP8 format of W~ and x in the backward GEMMs that
            sparsity.fp8_backward_operands='auto' picks for this backend.
+  choices: optional; the backend consults sparsity.gemm_choice (gemm_choice.py) and says
+           what it picks for a layer (see ChoicesFn; the planner reports it). None: it
+           ignores the policy.
   """
   linear: LinearFn
   prepare: PrepareFn | None = None
   check: Callable[[GemmOptions], None] | None = None
   needs_24: bool = True
   fp8_backward: str = "e4m3"
+  choices: ChoicesFn | None = None
 
 
 _BACKENDS: dict[str, Backend] = {}
@@ -70,6 +79,15 @@ def check(opts: GemmOptions) -> None:
   backend = get_backend(opts.backend)
   if backend.check is not None:
     backend.check(opts)
+  # 'xla' has no 2:4 kernel: every choice is its dense GEMMs. A backend with one that does
+  # not consult the policy runs it wherever it can ('sparse'), or by its own rule
+  # ('measured', the default); a GEMM forced dense would be silently ignored.
+  if (backend.choices is None and backend.needs_24
+      and opts.gemm_choice not in ("measured", "sparse")):
+    raise ValueError(f"sparsity.gemm_choice={opts.gemm_choice!r} is consulted by "
+                     f"sparsity.backend='cusparselt' only; {opts.backend!r} picks its "
+                     "kernels itself (s24jax/sparse_ops/gemm_choice.py): leave it at "
+                     "'measured', or use sparsity.backend='xla' for dense GEMMs.")
 
 
 def no_fp8(name: str) -> Callable[[GemmOptions], None]:

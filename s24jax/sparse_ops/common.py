@@ -17,10 +17,13 @@ def matmul_f32(a: jax.Array, b: jax.Array, dims) -> jax.Array:
   return jax.lax.dot_general(a, b, (dims, ((), ())), preferred_element_type=jnp.float32)
 
 
-def _fp8_matmul_f32(a: jax.Array, b: jax.Array, dims, a_format, b_format) -> jax.Array:
-  """FP8 `matmul_f32`: a in `a_format`, b in `b_format`, per-tensor amax scales."""
-  return fp8_lib.fp8_dot_general(a, b, (dims, ((), ())), a_dtype=a_format,
-                                 b_dtype=b_format, out_dtype=jnp.float32)
+def _fp8_matmul_f32(a: jax.Array, b: jax.Array, dims, a_format, b_format,
+                    opts: GemmOptions) -> jax.Array:
+  """FP8 `matmul_f32`: a in `a_format`, b in `b_format`, per-tensor amax scales (the whole
+  tensors' inside shard_map: `fp8_scale`; otherwise exactly fp8_lib.fp8_dot_general)."""
+  qa, sa = fp8_lib.quantize(a, a_format, fp8_scale(a, a_format, opts))
+  qb, sb = fp8_lib.quantize(b, b_format, fp8_scale(b, b_format, opts))
+  return fp8_lib.scaled_dot_general(qa, sa, qb, sb, (dims, ((), ())), jnp.float32)
 
 
 def backward_format(opts: GemmOptions):
@@ -31,14 +34,15 @@ def backward_format(opts: GemmOptions):
 def fwd_gemm(x: jax.Array, w: jax.Array, opts: GemmOptions) -> jax.Array:
   """y = x W~^T: x (N, in), W~ (out, in) 2:4 along `in` -> (N, out) float32."""
   if opts.fp8:
-    return _fp8_matmul_f32(x, w, ((1,), (1,)), fp8_lib.E4M3, fp8_lib.E4M3)   # (N, out)
+    return _fp8_matmul_f32(x, w, ((1,), (1,)), fp8_lib.E4M3, fp8_lib.E4M3, opts)   # (N, out)
   return matmul_f32(x, w, ((1,), (1,)))                          # (N, out)
 
 
 def dgrad_gemm(dy: jax.Array, w: jax.Array, opts: GemmOptions) -> jax.Array:
   """dX = dY W~: dY (N, out), W~ (out, in) 2:4 along `out` if transposable -> (N, in) f32."""
   if opts.fp8:   # W~ quantized afresh in the backward format (e4m3: as the forward did)
-    return _fp8_matmul_f32(dy, w, ((1,), (0,)), fp8_lib.E5M2, backward_format(opts))
+    return _fp8_matmul_f32(dy, w, ((1,), (0,)), fp8_lib.E5M2, backward_format(opts),
+                           opts)
   return matmul_f32(dy, w, ((1,), (0,)))                         # (N, in)
 
 
@@ -65,9 +69,15 @@ def check_mvue_key(key: jax.Array | None) -> None:
 def wgrad_gemm(dy: jax.Array, x: jax.Array, key: jax.Array | None,
                opts: GemmOptions) -> jax.Array:
   """dW~ = est(dY^T) x: dY (N, out), x (N, in) -> (out, in) float32."""
-  dy_t = wgrad_operand(dy, key, opts)                            # (out, N)
+  return wgrad_product(wgrad_operand(dy, key, opts), x, opts)
+
+
+def wgrad_product(dy_t: jax.Array, x: jax.Array, opts: GemmOptions) -> jax.Array:
+  """The weight gradient's GEMM on its operand dY^T (out, N) (`wgrad_operand`: the MVUE
+  estimate with opts.mvue), x (N, in) -> (out, in) float32."""
   if opts.fp8:   # quantizes the (MVUE-)estimate itself: the GEMM's actual operand
-    return _fp8_matmul_f32(dy_t, x, ((1,), (0,)), fp8_lib.E5M2, backward_format(opts))
+    return _fp8_matmul_f32(dy_t, x, ((1,), (0,)), fp8_lib.E5M2, backward_format(opts),
+                           opts)
   return matmul_f32(dy_t, x, ((1,), (0,)))                       # (out, in)
 
 

@@ -27,6 +27,13 @@ GEMMs write float32, with the per-tensor scales of 'xla' applied after. float32 
 refused (R7: 50% sparsity is 1:2 for float32). FP8 needs compute capability 8.9 (L4, L40S,
 H100 and newer), 16-bit 8.0 (R8).
 
+Which GEMMs run on cuSPARSELt (`sparsity.gemm_choice`, gemm_choice.py): by default only those
+measured faster than the dense XLA GEMM of the same product, counting their compressions (W~
+once per step, shared by the micro-batches; the MVUE estimate in each call); the others run
+the dense GEMM of the same operands (common.py, as the 'xla' backend: the same masked W~, the
+same MVUE estimate), and a compression that no chosen GEMM uses is not made. A layer none of
+whose GEMMs runs on cuSPARSELt is the 'xla' backend itself (`linear`).
+
 Under a mesh each device runs its own shard (`per_device`). Compiled for A100 and H100
 without a GPU; its CPU tests use the jnp stand-in of kernels/cusparselt/ops.py, which
 enforces the same rules. It has never run on a GPU.
@@ -35,16 +42,22 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from s24jax import fp8 as fp8_lib
+from s24jax.kernels import masks
+from s24jax.kernels.cusparselt import library
 from s24jax.kernels.cusparselt import ops as cusparselt
 from s24jax.kernels.cusparselt import rules
 from s24jax.sparse_ops import backend as backend_lib
 from s24jax.sparse_ops import common
+from s24jax.sparse_ops import gemm_choice
+from s24jax.sparse_ops import gemm_times
+from s24jax.sparse_ops import xla
 from s24jax.sparse_ops.options import GemmOptions
 
 # The FP8 format of both operands of the backward GEMMs that 'auto' picks here (R1: one type
@@ -124,23 +137,139 @@ def sparse_gemm(a: jax.Array, b: jax.Array, gemm: cusparselt.Gemm, opts: GemmOpt
   return compressed_gemm(compressed, qa.dtype, sa, b, gemm, opts, fmt)
 
 
-def prepare(w: jax.Array, *, tokens: int, dtype, opts: GemmOptions) -> dict[str, jax.Array]:
+# ---------------------------------------------------------------------------------------------
+# Which GEMMs run on cuSPARSELt (sparsity.gemm_choice, gemm_choice.py).
+
+_WHAT = {"forward": "y = x W~^T", "dgrad": "dX = dY W~", "wgrad": "dW~ = MVUE(dY^T) x"}
+
+
+def _operand_types(kind: str, opts: GemmOptions, dtype):
+  """(FP8 format or None, the sparse operand's dtype, D's dtype) of the GEMM `kind` in the
+  compute dtype `dtype`."""
+  fwd_fmt, bwd_fmt = formats(opts)
+  fmt = fwd_fmt if kind == "forward" else bwd_fmt
+  return fmt, dtype if fmt is None else fmt, out_dtype(fmt, dtype)
+
+
+def _gemm(kind: str, t: int, n: int, k: int, a_dtype) -> cusparselt.Gemm:
+  tn = _k_major_only(a_dtype)
+  return {"forward": lambda: fwd_gemm(t, n, k), "dgrad": lambda: dgrad_gemm(t, n, k, tn),
+          "wgrad": lambda: wgrad_gemm(t, n, k, tn)}[kind]()
+
+
+@functools.cache
+def _library_version() -> str:
+  """The cuSPARSELt the handlers are built against (its header's version)."""
+  try:
+    return library.toolchain().cusparselt_version
+  except library.Unavailable:
+    return "unknown"
+
+
+def gemm_key(kind: str, t: int, n: int, k: int, dtype, opts: GemmOptions) -> gemm_times.Key:
+  """The measurement key of the GEMM `kind` of a layer W~ (n, k) at t tokens per device."""
+  _, a_dtype, d_dtype = _operand_types(kind, opts, dtype)
+  g = _gemm(kind, t, n, k, a_dtype)
+  return gemm_times.Key(
+      **gemm_times.device_fields(gemm_times.target_device()), library="cusparselt",
+      library_version=_library_version(), **gemm_times.versions(), gemm=kind, m=g.m, n=g.n,
+      k=g.k, layout=("T" if g.trans_a else "N") + ("T" if g.trans_b else "N"),
+      d_order="row" if g.d_row_major else "col", a_type=cusparselt.dtype_name(a_dtype),
+      b_type=cusparselt.dtype_name(a_dtype), d_type=cusparselt.dtype_name(d_dtype))
+
+
+def choose(kind: str, t: int, n: int, k: int, dtype, opts: GemmOptions,
+           compress_share: float) -> gemm_choice.Choice:
+  """Whether the GEMM `kind` of a layer W~ (n, k) at t tokens per device in the compute
+  `dtype` runs on cuSPARSELt; `compress_share`: the compressions of its sparse operand per
+  call (gemm_choice.py). dX is dense without a transposable mask, dW without MVUE."""
+  label = (f"{_WHAT[kind]}, W~ {n}x{k}, {t} tokens, "
+           f"{'FP8' if opts.fp8 else jnp.dtype(dtype).name}")
+  if kind == "dgrad" and not opts.transposable:
+    return gemm_choice.no_choice(kind, label, "W~ is 2:4 along `in` only (not transposable)")
+  if kind == "wgrad" and not opts.mvue:
+    return gemm_choice.no_choice(kind, label, "dY^T is dense (sparsity.mvue off)")
+  measure = None
+  # Never under the stand-in: it would time jnp, not the library (CPU tests on a GPU host).
+  standin = cusparselt._STANDIN   # pylint: disable=protected-access
+  if gemm_times.can_measure(gemm_times.target_device()) and not standin:
+    measure = functools.partial(measure_times, kind, t, n, k, dtype, opts)
+  return gemm_choice.choose(opts.gemm_choice, opts.gemm_table,
+                            gemm_key(kind, t, n, k, dtype, opts),
+                            compress_share=compress_share, label=label, measure=measure)
+
+
+def choices(opts: GemmOptions, w_shape, tokens: int, dtype,
+            micro_batches: int) -> list[gemm_choice.Choice]:
+  """The choice of each GEMM of a layer W~ `w_shape` (Backend.choices): W~'s compressions
+  for the forward and dX shared by `micro_batches` (1: compressed in each call)."""
+  n, k = w_shape
+  share = 1.0 / micro_batches
+  return [choose("forward", tokens, n, k, dtype, opts, share),
+          choose("dgrad", tokens, n, k, dtype, opts, share),
+          choose("wgrad", tokens, n, k, dtype, opts, 1.0)]
+
+
+def measure_times(kind: str, t: int, n: int, k: int, dtype,
+                  opts: GemmOptions) -> gemm_times.Times:
+  """Times the GEMM `kind` on this process's GPU: cuSPARSELt on its compressed operand, the
+  compression (FP8: with the quantization), and the dense XLA GEMM the backend runs instead
+  (gemm_times.per_call_ms), on random operands, outside the step being traced."""
+  opts = dataclasses.replace(opts, token_axes=())   # one device, outside shard_map
+  fmt, a_dtype, d_dtype = _operand_types(kind, opts, dtype)
+  gemm = _gemm(kind, t, n, k, a_dtype)
+
+  def run() -> gemm_times.Times:
+    ka, kb = jax.random.split(jax.random.key(0))
+    op_a = jax.random.normal(ka, (gemm.m, gemm.k), jnp.float32)
+    op_a = jnp.where(masks.nm_mask(op_a), op_a, 0).astype(dtype)   # (m, k), 2:4 along k
+    a = op_a if gemm.trans_a else op_a.T                           # gemm.a_shape()
+    b = jax.random.normal(kb, gemm.b_shape(), jnp.float32).astype(dtype)
+    dense = {"forward": lambda: (lambda x, w: common.fwd_gemm(x, w, opts), b, op_a),
+             "dgrad": lambda: (lambda dy, w: common.dgrad_gemm(dy, w, opts), b, op_a.T),
+             "wgrad": lambda: (lambda est, x: common.wgrad_product(est, x, opts), op_a,
+                               b if gemm.trans_b else b.T)}[kind]()
+
+    def compress(a):
+      qa, _ = quantize(a, fmt, opts)
+      return cusparselt.compress(qa, gemm, b_dtype=a_dtype, d_dtype=d_dtype)
+
+    _, a_scale = quantize(a, fmt, opts)
+    compressed = jax.jit(compress)(a)
+    spmm = lambda c, b: compressed_gemm(c, a_dtype, a_scale, b, gemm, opts, fmt)   # pylint: disable=unnecessary-lambda-assignment
+    dev = jax.devices()[0]
+    return gemm_times.Times(
+        sparse_ms=gemm_times.per_call_ms(spmm, compressed, b),
+        compress_ms=gemm_times.per_call_ms(compress, a),
+        dense_ms=gemm_times.per_call_ms(*dense),
+        source=f"measured on {dev.device_kind} at first use, {time.strftime('%Y-%m-%d')}")
+
+  return gemm_times.outside_trace(run)
+
+
+def prepare(w: jax.Array, *, tokens: int, dtype, opts: GemmOptions,
+            micro_batches: int = 1) -> dict[str, jax.Array]:
   """W~ (N, K) compressed for the forward ('fwd') and, for transposable masks, the
   data-gradient GEMM ('dx') of a micro-batch of `tokens` tokens per device, in `dtype` (FP8:
-  the forward's e4m3 and the backward's format, with their scales 'fwd_scale', 'dx_scale').
-  The train step computes these once per optimizer step, outside the accumulation loop, so
-  that no micro-batch and no recomputed forward compresses W~ again."""
+  the forward's e4m3 and the backward's format, with their scales 'fwd_scale', 'dx_scale'),
+  each only where sparsity.gemm_choice runs that GEMM on cuSPARSELt (its compression shared
+  by the step's `micro_batches`). The train step computes these once per optimizer step,
+  outside the accumulation loop, so that no micro-batch and no recomputed forward compresses
+  W~ again."""
   n, k = w.shape
-  w = jax.lax.stop_gradient(w).astype(dtype)
   fwd_fmt, bwd_fmt = formats(opts)
+  cusparselt.check_device(dtype if fwd_fmt is None else fwd_fmt)
+  share = 1.0 / micro_batches
+  w = jax.lax.stop_gradient(w).astype(dtype)
   prepared = {}
-  # W~ is replicated (the FSDP all-gather): its own amax is the global one.
-  qw, sw = (w, None) if fwd_fmt is None else fp8_lib.quantize(w, fwd_fmt)
-  prepared["fwd"] = cusparselt.compress(qw, fwd_gemm(tokens, n, k), b_dtype=qw.dtype,
-                                        d_dtype=out_dtype(fwd_fmt, dtype))
-  if sw is not None:
-    prepared["fwd_scale"] = sw
-  if opts.transposable:
+  if choose("forward", tokens, n, k, dtype, opts, share).sparse:
+    # W~ is replicated (the FSDP all-gather): its own amax is the global one.
+    qw, sw = (w, None) if fwd_fmt is None else fp8_lib.quantize(w, fwd_fmt)
+    prepared["fwd"] = cusparselt.compress(qw, fwd_gemm(tokens, n, k), b_dtype=qw.dtype,
+                                          d_dtype=out_dtype(fwd_fmt, dtype))
+    if sw is not None:
+      prepared["fwd_scale"] = sw
+  if choose("dgrad", tokens, n, k, dtype, opts, share).sparse:   # transposable masks only
     qd, sd = (w, None) if bwd_fmt is None else fp8_lib.quantize(w, bwd_fmt)
     tn = _k_major_only(qd.dtype)
     prepared["dx"] = cusparselt.compress(qd.T if tn else qd, dgrad_gemm(tokens, n, k, tn),
@@ -164,8 +293,10 @@ def linear_2d(opts: GemmOptions, x: jax.Array, w: jax.Array, key: jax.Array | No
   if "fwd" in prepared:
     y = compressed_gemm(prepared["fwd"], _a_dtype(fmt, x), prepared.get("fwd_scale"), x,
                         fwd_gemm(t, n, k), opts, fmt)                    # (T, N)
-  else:
+  elif choose("forward", t, n, k, x.dtype, opts, 1.0).sparse:
     y = sparse_gemm(w.astype(x.dtype), x, fwd_gemm(t, n, k), opts, fmt)  # (T, N)
+  else:
+    y = common.fwd_gemm(x, w.astype(x.dtype), opts)                      # (T, N), dense
   return y.astype(x.dtype)
 
 
@@ -182,22 +313,22 @@ def _bwd(opts, res, dy):
   (t, k), n = x.shape, w.shape[0]
   _, fmt = formats(opts)
   dy = dy.astype(x.dtype)
-  if opts.transposable:
-    tn = _k_major_only(_a_dtype(fmt, x))
-    gemm = dgrad_gemm(t, n, k, tn)
-    if "dx" in prepared:
-      dx = compressed_gemm(prepared["dx"], _a_dtype(fmt, x), prepared.get("dx_scale"), dy,
-                           gemm, opts, fmt)                                # (T, K)
-    else:
-      wd = w.astype(x.dtype)
-      dx = sparse_gemm(wd.T if tn else wd, dy, gemm, opts, fmt)            # (T, K)
+  tn = _k_major_only(_a_dtype(fmt, x))
+  if "dx" in prepared:   # (transposable masks only)
+    dx = compressed_gemm(prepared["dx"], _a_dtype(fmt, x), prepared.get("dx_scale"), dy,
+                         dgrad_gemm(t, n, k, tn), opts, fmt)               # (T, K)
+  elif choose("dgrad", t, n, k, x.dtype, opts, 1.0).sparse:
+    wd = w.astype(x.dtype)
+    dx = sparse_gemm(wd.T if tn else wd, dy, dgrad_gemm(t, n, k, tn), opts, fmt)   # (T, K)
   else:
     dx = common.dgrad_gemm(dy, w.astype(dy.dtype), opts)                   # (T, K), dense
   if opts.mvue:   # the point of MVUE: dW = MVUE(dY^T) x, 2:4 along the tokens
     est = common.wgrad_operand(dy, key, opts)                              # (N, T)
-    tn = _k_major_only(_a_dtype(fmt, x))
-    dw = sparse_gemm(est, x.T if tn else x, wgrad_gemm(t, n, k, tn), opts,
-                     fmt)                                                  # (N, K)
+    if choose("wgrad", t, n, k, x.dtype, opts, 1.0).sparse:
+      dw = sparse_gemm(est, x.T if tn else x, wgrad_gemm(t, n, k, tn), opts,
+                       fmt)                                                # (N, K)
+    else:
+      dw = common.wgrad_product(est, x, opts)                              # (N, K), dense
   else:
     dw = common.wgrad_gemm(dy, x, key, opts)                               # (N, K), dense
   dprepared = jax.tree.map(
@@ -239,9 +370,21 @@ def per_device(op, opts: GemmOptions):
   return sharded
 
 
+def _devices() -> int:
+  """The devices `per_device` splits the tokens over."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return 1 if mesh.empty else mesh.size
+
+
 def linear(opts, x, w, key, prepared):
+  """The op; a layer none of whose GEMMs runs on cuSPARSELt is the 'xla' reference itself."""
+  t, (n, k) = x.shape[0] // _devices(), w.shape
+  fwd_fmt, _ = formats(opts)
+  cusparselt.check_device(x.dtype if fwd_fmt is None else fwd_fmt)
+  if not prepared and not any(c.sparse for c in choices(opts, (n, k), t, x.dtype, 1)):
+    return xla.linear_2d(opts, x, w, key)
   return per_device(linear_2d, opts)(x, w, key, dict(prepared))
 
 
 BACKEND = backend_lib.Backend(linear=linear, prepare=prepare, check=check,
-                              fp8_backward=FP8_BACKWARD)
+                              fp8_backward=FP8_BACKWARD, choices=choices)

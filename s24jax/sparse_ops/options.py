@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from s24jax.sparse_ops import gemm_choice
+
 # sparsity.fp8_backward_operands: the FP8 format of W~ (dX = dY W~) and x (dW = est(dY^T) x)
 # in the backward GEMMs, dY being e5m2. 'e4m3': as in the forward (every FP8 GEMM then has an
 # e4m3 operand, what cuBLASLt's FP8 GEMMs take). 'e5m2': re-quantized like dY (the S-STE
@@ -34,8 +36,15 @@ class GemmOptions:
   # Set inside shard_map by a backend that runs per device (cusparselt): the mesh axes the
   # tokens are split over, so that FP8's per-tensor amax is the whole tensor's (a pmax).
   token_axes: tuple[str, ...] = ()
+  # Which GEMMs run on the backend's 2:4 kernel (gemm_choice.py; consulted by 'cusparselt'):
+  # 'sparse' here, every one it can, as a direct call of the op asks; a run's config
+  # (SparsityConfig.gemm_choice) defaults to 'measured'. gemm_table: a file of measured
+  # times (gemm_times.TABLE_FORMAT), '' for none.
+  gemm_choice: str = "sparse"
+  gemm_table: str = ""
 
   def __post_init__(self):
+    gemm_choice.check(self.gemm_choice)
     value = self.fp8_backward_operands
     if value not in FP8_BACKWARD_OPERANDS:
       raise ValueError(f"unknown sparsity.fp8_backward_operands {value!r}; valid: "

@@ -44,6 +44,10 @@ from s24jax.run_spec import RunSpec
 from s24jax.state import TrainState
 from s24jax.step_info import StepInfo
 
+# float32 math against float32 / float64 references: full float32 dots on every platform
+# (a GPU's default is TF32), see conftest.f32_dots.
+pytestmark = pytest.mark.usefixtures("f32_dots")
+
 base_weight = base.kernel_at
 flax_unfreeze = flax.core.unfreeze
 

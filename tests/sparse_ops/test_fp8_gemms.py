@@ -6,6 +6,13 @@ format, then a float64 GEMM; `_qdq_plain` writes the per-tensor amax scaling out
 with ml_dtypes' casts, without s24jax.fp8), the pre-option backward written with
 fp8.fp8_dot_general (bit-identical), the float32 op (relative error bounds), and a tiny
 model's float32 loss. The quantization itself: tests/test_fp8_format.py.
+
+The simulation is exact; the GEMM is not. On a CPU XLA upcasts the FP8 operands and sums the
+(exact) products in float32; on Hopper it runs cuBLASLt's FP8 GEMM, whose tensor cores
+accumulate with 14 significant bits and truncate. Each comparison allows
+`fp8_gemm_error_bound` (kernels/_testing.py: derived from that arithmetic, per element, from
+K and sum |a_i b_i|), on every machine; `test_the_fp8_error_bound_rejects_real_mistakes`
+shows it still rejects a wrong format, a dropped weight and a wrong scale.
 """
 from __future__ import annotations
 
@@ -22,6 +29,9 @@ from s24jax import config as config_lib
 from s24jax import sparse_ops
 from s24jax import train
 from s24jax.kernels import masks
+from s24jax.kernels._testing import assert_within_bound
+from s24jax.kernels._testing import bound_violations
+from s24jax.kernels._testing import fp8_gemm_error_bound
 from s24jax.run_spec import RunSpec
 from s24jax.sparse_linear import SparsityConfig
 from s24jax.sparse_ops.options import GemmOptions
@@ -51,6 +61,11 @@ def _qdq(a, dtype):
   return np.asarray(q).astype(np.float64) / float(s)
 
 
+def _assert_fp8_gemm(got, a, b, what):
+  """got = a @ b (the dequantized operands) within the FP8 GEMM's error bound."""
+  assert_within_bound(got, a @ b, fp8_gemm_error_bound(a, b), what)
+
+
 @pytest.mark.parametrize("mvue", [False, True])
 def test_sparse_op_fp8_uses_e4m3_forward_e5m2_gradients(mvue):
   # Independent simulation: quantize-dequantize each GEMM operand in its format, float64 GEMM.
@@ -59,12 +74,27 @@ def test_sparse_op_fp8_uses_e4m3_forward_e5m2_gradients(mvue):
   y, dx, dw = _op_outputs(x, w, dy, key, mvue=mvue, fp8=True)
   x2, dy2 = x.reshape(-1, 64), dy.reshape(-1, 48)                            # (N, in), (N, out)
   dy_t = masks.mvue24(key, dy2.T) if mvue else dy2.T                         # (out, N)
-  np.testing.assert_allclose(y.reshape(-1, 48), _qdq(x2, fp8.E4M3) @ _qdq(w, fp8.E4M3).T,
-                             rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(dx.reshape(-1, 64), _qdq(dy2, fp8.E5M2) @ _qdq(w, fp8.E4M3),
-                             rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(dw, _qdq(dy_t, fp8.E5M2) @ _qdq(x2, fp8.E4M3), rtol=1e-5,
-                             atol=1e-5)
+  _assert_fp8_gemm(y.reshape(-1, 48), _qdq(x2, fp8.E4M3), _qdq(w, fp8.E4M3).T, "y")
+  _assert_fp8_gemm(dx.reshape(-1, 64), _qdq(dy2, fp8.E5M2), _qdq(w, fp8.E4M3), "dX")
+  _assert_fp8_gemm(dw, _qdq(dy_t, fp8.E5M2), _qdq(x2, fp8.E4M3), "dW")
+
+
+def test_the_fp8_error_bound_rejects_real_mistakes():
+  """The bound the comparisons above allow (tensor-core FP8 accumulation) is still far below
+  what a real mistake in the forward GEMM moves: x quantized in e5m2 instead of e4m3, the
+  largest weight dropped, the dequantizing scale off by a factor 2. Each lands outside it."""
+  x, w, _ = _sparse_op_inputs()
+  x2 = x.reshape(-1, 64)                                                     # (N, in)
+  xq, wq = _qdq(x2, fp8.E4M3), _qdq(w, fp8.E4M3)
+  want, bound = xq @ wq.T, fp8_gemm_error_bound(xq, wq.T)                   # (N, out)
+  y = _op_outputs(x, w, jnp.zeros((4, 8, 48)), fp8=True)[0].reshape(-1, 48)
+  assert not bound_violations(y, want, bound).any()
+  dropped = wq.copy()
+  dropped[np.unravel_index(np.argmax(np.abs(wq)), wq.shape)] = 0
+  mistakes = {"x in e5m2": _qdq(x2, fp8.E5M2) @ wq.T, "a weight dropped": xq @ dropped.T,
+              "scale x 2": 2 * want}
+  for name, wrong in mistakes.items():
+    assert bound_violations(wrong, want, bound).any(), name
 
 
 # sparsity.fp8_backward_operands: W~ and x in the two backward GEMMs.
@@ -91,15 +121,12 @@ def test_sparse_op_e5m2_backward_operands_requantize_w_and_x(mvue):
   dy_t = masks.mvue24(key, dy2.T) if mvue else dy2.T                         # (out, N)
   # Forward unchanged: e4m3 x e4m3, bit for bit the default's.
   np.testing.assert_array_equal(y, y4)
-  np.testing.assert_allclose(y.reshape(-1, 48), _qdq_plain(x2, e4) @ _qdq_plain(w, e4).T,
-                             rtol=1e-5, atol=1e-5)
+  _assert_fp8_gemm(y.reshape(-1, 48), _qdq_plain(x2, e4), _qdq_plain(w, e4).T, "y")
   # Backward: dY, W~ and x all e5m2, each with its own per-tensor amax scale.
-  want_dx = _qdq_plain(dy2, e5) @ _qdq_plain(w, e5)                          # (N, in)
-  want_dw = _qdq_plain(dy_t, e5) @ _qdq_plain(x2, e5)                        # (out, in)
-  np.testing.assert_allclose(dx.reshape(-1, 64), want_dx, rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(dw, want_dw, rtol=1e-5, atol=1e-5)
+  _assert_fp8_gemm(dx.reshape(-1, 64), _qdq_plain(dy2, e5), _qdq_plain(w, e5), "dX")  # (N, in)
+  _assert_fp8_gemm(dw, _qdq_plain(dy_t, e5), _qdq_plain(x2, e5), "dW")              # (out, in)
   # And not the e4m3-operand gradients: the re-quantization moves them by far more than the
-  # tolerance above (one mantissa bit less on W~ / x: ~6% here).
+  # error bound above (one mantissa bit less on W~ / x: ~6% here).
   for got, default in ((dx, dx4), (dw, dw4)):
     rel = float(jnp.linalg.norm(got - default) / jnp.linalg.norm(default))
     assert rel > 2e-2, rel
@@ -164,7 +191,8 @@ def test_sparse_op_fp8_gradients_close_to_float32():
   errors = {"y": [], "dx": [], "dw": []}
   for seed in range(3):
     x, w, dy = _sparse_op_inputs(seed)
-    ref = _op_outputs(x, w, dy)
+    with jax.default_matmul_precision("highest"):   # float32, not a GPU's default TF32
+      ref = _op_outputs(x, w, dy)
     got = _op_outputs(x, w, dy, fp8=True)
     for name, r, g in zip(errors, ref, got):
       errors[name].append(float(jnp.linalg.norm(g - r) / jnp.linalg.norm(r)))

@@ -27,6 +27,10 @@ from tiny import tiny_config
 
 from ops_helpers import SHAPES, assert_bf16_op_matches_xla, normal, op, sparse_w, train_losses
 
+# float32 math against float32 / float64 references: full float32 dots on every platform
+# (a GPU's default is TF32), see conftest.f32_dots.
+pytestmark = pytest.mark.usefixtures("f32_dots")
+
 
 @pytest.mark.parametrize("tokens,out,inp", SHAPES)
 def test_pallas_op_matches_formulas_and_xla(tokens, out, inp):

@@ -1,0 +1,75 @@
+"""The report's sections, in the order they run, with their share of the budget.
+
+Order: the cheapest facts that say the most first. The environment (seconds); the `gpu` tests
+(every GPU path's correctness, about a minute with 4 workers); the cuSPARSELt GEMMs (is a 2:4
+GEMM faster, and than PyTorch's; ~10 s a row); the train steps (what that makes of a step;
+~25 s a row at 124m: a 20 s compile); the quick suite last, the longest (617 tests took
+longer than the H100 run's time limit with 6 workers) and the one the suite's own run also
+gives.
+
+Time: the environment gets up to ENVIRONMENT_SECONDS; every other section its share of
+what is left of the budget among the sections not yet run (`cap`), so what one leaves unused
+goes to the later ones; the last gets the rest. At `--budget 420` (less the report's start
+and RESERVE): about 20 / 74 / 78 / 128 / 109 s. A section whose cap is below its `minimum`
+is not started (a skipped row says so).
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import sys
+
+
+@dataclasses.dataclass(frozen=True)
+class Section:
+  name: str
+  title: str
+  share: float                   # of the budget left (0: a fixed ENVIRONMENT_SECONDS)
+  minimum: float                 # seconds: below this the section is skipped for the budget
+  pytest: bool = False           # a pytest run (else in-process rows in a child process)
+
+
+ENVIRONMENT_SECONDS = 20.0     # jax, torch and nvidia-smi: 5-10 s
+SECTIONS = (
+    Section("environment", "Environment", 0.0, 5.0),
+    Section("gpu_tests", "`gpu` tests", 0.19, 20.0, pytest=True),
+    Section("gemms", "cuSPARSELt GEMMs", 0.20, 20.0),
+    Section("steps", "Train steps", 0.33, 25.0),
+    Section("quick_suite", "Quick suite on the GPU", 0.28, 30.0, pytest=True),
+)
+BY_NAME = {s.name: s for s in SECTIONS}
+# With --smoke (a CPU): one small file per pytest section.
+SMOKE_FILES = {"gpu_tests": "tests/sparse_ops/test_tcgen05_backend.py",
+               "quick_suite": "tests/test_step_info.py"}
+
+
+def cap(name: str, left: float, names: tuple[str, ...]) -> float:
+  """Seconds for section `name` out of `left`, shared with the sections `names` (it and
+  those after it that will run)."""
+  if not BY_NAME[name].share:
+    return min(ENVIRONMENT_SECONDS, left)
+  shares = sum(BY_NAME[n].share for n in names)
+  return left * BY_NAME[name].share / shares
+
+
+def _workers(smoke: bool) -> list[str]:
+  if importlib.util.find_spec("xdist") is None:
+    return []
+  return ["-n", "2" if smoke else str(max(2, min(8, (os.cpu_count() or 4) // 2)))]
+
+
+def pytest_command(name: str, smoke: bool, files_dir: str) -> tuple[list[str], dict]:
+  """(command, extra environment) of a pytest section."""
+  base = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "s24jax.gpu_report.pytest_rows",
+          "-p", "no:cacheprovider", f"--junitxml={os.path.join(files_dir, name + '.xml')}"]
+  env = {}
+  if name == "gpu_tests":
+    log_dir = os.path.join(files_dir, "cusparselt_log")
+    os.makedirs(log_dir, exist_ok=True)
+    env = {"CUSPARSELT_LOG_LEVEL": "1",
+           "CUSPARSELT_LOG_FILE": os.path.join(log_dir, "%i.log")}
+    args = ["-m", "gpu", *([] if smoke else _workers(smoke))]
+  else:
+    args = ["-m", "not slow and not gpu", *_workers(smoke)]
+  return base + args + ([SMOKE_FILES[name]] if smoke else []), env

@@ -1,0 +1,121 @@
+"""Compiling a train step for the census: the GPU report's step on one compile-only GPU, the
+planner's path (s24jax/plan.py), with the named scopes the census relies on."""
+from __future__ import annotations
+
+import contextlib
+import functools
+import gzip
+import hashlib
+import importlib
+import json
+import pathlib
+
+from s24jax import destinations
+from s24jax import errors
+from s24jax.kernels import aot
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+# (module, function, scope): the jax.named_scope each function runs in while the census
+# traces the step. Inside a custom_vjp's backward rule (the sparse GEMMs') XLA keeps the
+# caller's stack frames and name stack, not the rule's, so without these the census cannot
+# tell the MVUE estimate, FP8 quantization and the transposable-mask search from the rest
+# (s24jax/step_census.py, SOURCES). The library could carry them itself, at these functions.
+SCOPES = (("s24jax.kernels.masks", "mvue24", "mvue"),
+          ("s24jax.fp8", "quantize", "fp8_quantize"),
+          ("s24jax.sparse_ops.common", "fp8_scale", "fp8_quantize"),
+          ("s24jax.kernels.masks", "transposable_mask", "transposable_mask"))
+
+
+@contextlib.contextmanager
+def named_scopes(scopes=SCOPES):
+  """Each function of `scopes` wrapped in its jax.named_scope (module attributes: every
+  caller looks them up at call time), restored on exit."""
+  import jax   # pylint: disable=g-import-not-at-top (after aot.start)
+  saved = []
+  try:
+    for module_name, name, scope in scopes:
+      module = importlib.import_module(module_name)
+      fn = getattr(module, name, None)
+      if fn is None:
+        continue
+
+      def scoped(*args, _fn=fn, _scope=scope, **kwargs):
+        with jax.named_scope(_scope):
+          return _fn(*args, **kwargs)
+      saved.append((module, name, fn))
+      setattr(module, name, functools.wraps(fn)(scoped))
+    yield
+  finally:
+    for module, name, fn in reversed(saved):
+      setattr(module, name, fn)
+
+
+def step_config(spec: str, backend: str, overrides=(), micro: int | None = None):
+  """The config as the GPU report times it (module docstring)."""
+  from s24jax import validate   # pylint: disable=g-import-not-at-top (jax)
+  probe = validate.load_config(spec, args=list(overrides))
+  micro = micro or int(probe.batch_size) // int(probe.grad_accum_steps)
+  extra = [f"sparsity.backend={backend}", f"batch_size={micro}", "grad_accum_steps=1",
+           "model.dtype=bfloat16", "mesh.data=1", "mesh.fsdp=1"]
+  if ("gemm_choice" in probe.sparsity and backend == "cusparselt"
+      and not any(o.startswith("sparsity.gemm_choice=") for o in overrides)):
+    extra.append("sparsity.gemm_choice=sparse")   # every GEMM on 2:4, as on 2026-11-27
+  config = validate.load_config(spec, args=[*overrides, *extra])
+  validate.check_fields(config)
+  return config
+
+
+def _source_digest() -> str:
+  """A digest of the library's source (s24jax/, kernels/): a cached HLO is this code's."""
+  h = hashlib.sha256()
+  for folder in ("s24jax", "kernels"):
+    for p in sorted((REPO / folder).rglob("*.py")):
+      h.update(str(p.relative_to(REPO)).encode())
+      h.update(p.read_bytes())
+  return h.hexdigest()[:16]
+
+
+def compile_step(config, gpu: str = "h100", cache: str | None = None) -> tuple[str, dict]:
+  """(optimized HLO text, XLA's memory report) of the config's train step, one device."""
+  import jax   # pylint: disable=g-import-not-at-top (after aot.start)
+  from s24jax import plan   # pylint: disable=g-import-not-at-top (a tool: jax, the plugin)
+  key = hashlib.sha256(json.dumps([config.to_json(), gpu, jax.__version__, _source_digest()]
+                                  ).encode()).hexdigest()[:24]
+  path = pathlib.Path(cache) / f"{key}.json.gz" if cache else None
+  if path is not None and path.exists():
+    saved = json.loads(gzip.decompress(path.read_bytes()))
+    return saved["hlo"], saved["memory"]
+  planner = plan.Planner(config, gpu, 1)
+  devices = planner._topologies[plan.BIG_MEMORY_FACTOR].devices   # pylint: disable=protected-access
+  partitioner = planner.sharding.Partitioner(planner.sharding.make_mesh(config.mesh, devices))
+  abstract = jax.eval_shape(lambda: planner.train.fresh_state(planner.model, planner.tx_fn, 0))
+  state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                       abstract, partitioner.state_shardings(abstract))
+  tokens = jax.ShapeDtypeStruct((planner.global_batch, config.model.seq_len), jax.numpy.int32,
+                                sharding=partitioner.batch)
+  with jax.default_device(devices[0]), named_scopes():
+    lowered = planner.train.train_step.trace(
+        state, {"inputs": tokens, "targets": tokens}, model=planner.model,
+        tx=planner.tx_fn(abstract.params, abstract.sparsity), accum_steps=1,
+        partitioner=partitioner).lower(lowering_platforms=("cuda",))
+    compiled = lowered.compile()
+  hlo, memory = compiled.as_text(), aot.memory_report(compiled)
+  if path is not None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    destinations.write_atomic(str(path), gzip.compress(
+        json.dumps({"hlo": hlo, "memory": memory}).encode()))
+  return hlo, memory
+
+
+def read_hlo(path: str) -> str:
+  """HLO text from a file, or the after-optimizations dump of jit_train_step in a folder."""
+  p = pathlib.Path(path)
+  if p.is_dir():
+    dumps = sorted(p.glob("*jit_train_step*after_optimizations.txt"))
+    if not dumps:
+      raise errors.UserError(f"--hlo {path}: no *jit_train_step*after_optimizations.txt in it "
+                             "(dump with XLA_FLAGS=--xla_dump_to=DIR)")
+    p = dumps[0]
+  if not p.is_file():
+    raise errors.UserError(f"--hlo {path}: no such file or folder")
+  return p.read_text()

@@ -1,0 +1,365 @@
+"""Tests of s24jax/sparse_ops/gemm_choice.py (`sparsity.gemm_choice`) as the 'cusparselt'
+backend consults it, on CPU with the library's stand-in (`cusparselt.standin()`).
+
+What is checked: the values and their errors; a table's rows select the GEMMs they describe
+(the keys written here by hand from the GEMMs of docs/backends.md, not from the code) and the
+cost counts the compressions (W~ once per step over the micro-batches, the MVUE estimate per
+call: hand-computed cases); a GEMM marked slower runs the dense XLA GEMM, bit-identical to the
+forced dense choice and to the 'xla' backend, a GEMM marked faster runs the stand-in (a spy
+on the compressions, by the GEMM's contraction dimension); `prepare` compresses only for a
+chosen 2:4 GEMM; off a GPU with no time the choice is dense, said in one warning; a
+measurement (of the stand-in: there is no GPU here) goes to the cache and comes back from it.
+"""
+import json
+import logging
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from s24jax import model as model_lib
+from s24jax import sparse_linear
+from s24jax import sparse_ops
+from s24jax import train
+from s24jax.kernels import masks
+from s24jax.kernels.cusparselt import ops as cusparselt
+from s24jax.methods import registry
+from s24jax.run_spec import RunSpec
+from s24jax.sparse_ops import cusparselt as cslt_backend
+from s24jax.sparse_ops import gemm_choice
+from s24jax.sparse_ops import gemm_times
+from s24jax.sparse_ops.options import GemmOptions
+
+from tiny import tiny_config
+
+# A layer W~ (OUT, IN) at TOKENS tokens: its GEMMs' contraction dimensions tell them apart
+# in the spy (forward k = IN, dX k = OUT, dW k = TOKENS).
+TOKENS, OUT, IN = 96, 64, 32
+
+
+@pytest.fixture(autouse=True)
+def _fresh_policy(tmp_path, monkeypatch):
+  """Each test as a new process on a machine with an empty measurement cache."""
+  monkeypatch.setenv("S24JAX_CACHE", str(tmp_path / "cache"))
+  gemm_choice.forget()
+  yield
+  gemm_choice.forget()
+
+
+def _table(path, rows):
+  path.write_text(json.dumps({"format": gemm_times.TABLE_FORMAT, "rows": rows}))
+  return str(path)
+
+
+def _bf16_rows(t, n, k, forward, dgrad, wgrad):
+  """Table rows for a bf16 layer W~ (n, k) at t tokens, each GEMM given as (sparse_ms,
+  compress_ms, dense_ms), keyed as docs/backends.md lays them out: forward TN on W~ (m = n,
+  n = t, k = k), dX NN on W~ (m = k, n = t, k = n), dW TT (m = n, n = k, k = t) with a
+  row-major D. No device or version fields: they match any."""
+  shapes = {"forward": (n, t, k, "TN", "col"), "dgrad": (k, t, n, "NN", "col"),
+            "wgrad": (n, k, t, "TT", "row")}
+  rows = []
+  for gemm, times in (("forward", forward), ("dgrad", dgrad), ("wgrad", wgrad)):
+    if times is None:
+      continue
+    m, nn, kk, layout, order = shapes[gemm]
+    rows.append({"gemm": gemm, "m": m, "n": nn, "k": kk, "layout": layout, "d_order": order,
+                 "a_type": "bf16", "b_type": "bf16", "d_type": "bf16",
+                 **dict(zip(gemm_times.TIME_FIELDS, times))})
+  return rows
+
+
+def _spy(monkeypatch):
+  """The contraction dimension k of every stand-in compression (which GEMM it is for)."""
+  seen = []
+  real = cusparselt.compress
+
+  def spy(a, gemm, **kw):
+    seen.append(gemm.k)
+    return real(a, gemm, **kw)
+
+  monkeypatch.setattr(cusparselt, "compress", spy)
+  return seen
+
+
+def _op(backend, tokens=TOKENS, **kw):
+  """y, dX, dW~ of the op on a transposable W~ with MVUE (float32 arrays)."""
+  x = jax.random.normal(jax.random.key(4), (tokens, IN), jnp.bfloat16)
+  w = jax.random.normal(jax.random.key(3), (OUT, IN))
+  w = jnp.where(masks.transposable_mask(w), w, 0)
+  dy = jax.random.normal(jax.random.key(5), (tokens, OUT), jnp.bfloat16)
+  opts = GemmOptions(mvue=True, transposable=True, backend=backend, **kw)
+
+  def f(x, w):
+    y = sparse_ops.sparse_linear(x, w, jax.random.key(7), opts)
+    return jnp.sum((y * dy).astype(jnp.float32)), y
+
+  (_, y), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(x, w)
+  return [np.asarray(a, np.float32) for a in (y, *grads)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Values.
+
+
+@pytest.mark.parametrize("value", ["fwd", "forward+", "forward+forward", "", "Sparse",
+                                   "sparse+dense"])
+def test_an_unknown_value_is_one_line_naming_the_valid_ones(value):
+  ste = registry.get_method("ste")
+  with pytest.raises(ValueError) as e:
+    sparse_linear.SparsityConfig(method=ste, backend="cusparselt", gemm_choice=value)
+  msg = str(e.value)
+  assert "\n" not in msg and repr(value) in msg, msg
+  for valid in gemm_choice.MODES + gemm_choice.KINDS:
+    assert valid in msg, (valid, msg)
+  with pytest.raises(ValueError, match="unknown sparsity.gemm_choice"):
+    GemmOptions(gemm_choice=value)
+
+
+def test_valid_values_and_backends_that_cannot_honour_them():
+  ste = registry.get_method("ste")
+  for value in ("measured", "sparse", "dense", "wgrad", "forward+dgrad", "dgrad+wgrad+forward"):
+    cfg = sparse_linear.SparsityConfig(method=ste, backend="cusparselt", gemm_choice=value)
+    assert cfg.gemm.gemm_choice == value
+  # The run's default measures; a direct call of the op runs what it asks for.
+  assert sparse_linear.SparsityConfig().gemm_choice == "measured"
+  assert GemmOptions().gemm_choice == "sparse"
+  # 'xla' has no 2:4 kernel (every value means its dense GEMMs); 'tcgen05' runs its kernel
+  # wherever it can and would ignore a GEMM forced dense: refused.
+  sparse_linear.SparsityConfig(method=ste, backend="xla", gemm_choice="dense")
+  sparse_linear.SparsityConfig(method=ste, backend="tcgen05", gemm_choice="sparse")
+  with pytest.raises(ValueError, match="consulted by sparsity.backend='cusparselt' only"):
+    sparse_linear.SparsityConfig(method=ste, backend="tcgen05", gemm_choice="forward")
+
+
+def test_a_bad_table_is_one_line_naming_the_file_and_the_row(tmp_path):
+  ste = registry.get_method("ste")
+  good = _bf16_rows(TOKENS, OUT, IN, (1, 1, 1), None, None)
+  cases = {"missing.json": None,
+           "notjson.json": "{rows: ",
+           "noformat.json": json.dumps({"rows": good}),
+           "typo.json": json.dumps({"format": gemm_times.TABLE_FORMAT,
+                                    "rows": [{**good[0], "M": 3}]}),
+           "noms.json": json.dumps({"format": gemm_times.TABLE_FORMAT,
+                                    "rows": [{k: v for k, v in good[0].items()
+                                              if k != "dense_ms"}]}),
+           "strshape.json": json.dumps({"format": gemm_times.TABLE_FORMAT,
+                                        "rows": [{**good[0], "m": "64"}]})}
+  want = {"missing.json": "cannot be read", "notjson.json": "not readable as JSON",
+          "noformat.json": "format", "typo.json": "row 0: unknown field.*M",
+          "noms.json": "row 0: missing dense_ms", "strshape.json": "row 0: m must be an integer"}
+  for name, text in cases.items():
+    path = tmp_path / name
+    if text is not None:
+      path.write_text(text)
+    with pytest.raises(ValueError, match=want[name]) as e:
+      sparse_linear.SparsityConfig(method=ste, backend="cusparselt", gemm_table=str(path))
+    assert "\n" not in str(e.value) and str(path) in str(e.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# The choice, from forced values and tables.
+
+
+@pytest.mark.parametrize("value,sparse", [("sparse", {"forward", "dgrad", "wgrad"}),
+                                          ("dense", set()), ("forward+dgrad", {"forward", "dgrad"}),
+                                          ("wgrad", {"wgrad"})])
+def test_forced_values_pick_the_kernels_and_keep_the_math(monkeypatch, value, sparse):
+  """The GEMMs forced sparse run on the stand-in (and only they are compressed); each GEMM
+  equals the 'xla' backend's bit for bit (y and dX: the stand-in's sum is exact here too),
+  but dW on the stand-in, which cuSPARSELt writes in bf16 (R2) where XLA keeps float32."""
+  want = _op("xla")
+  seen = _spy(monkeypatch)
+  with cusparselt.standin():
+    got = _op("cusparselt", gemm_choice=value)
+  by_k = {IN: "forward", OUT: "dgrad", TOKENS: "wgrad"}
+  assert {by_k[k] for k in seen} == sparse and len(seen) == len(sparse), seen
+  for name, a, b in zip(("y", "dX", "dW"), got, want):
+    if name == "dW" and "wgrad" in sparse:
+      np.testing.assert_allclose(a, b, rtol=2 ** -8, atol=1e-6)
+      assert np.any(a != b), "dW came from the stand-in's bf16 output"
+    else:
+      np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+def test_a_table_row_selects_its_gemm_and_counts_the_compressions(tmp_path):
+  """Hand-computed: the forward (kernel 1.0, compression 2.0, dense 1.5 ms) pays for itself
+  only when W~'s compression is shared by more than 4 micro-batches (1 + 2/8 = 1.25 < 1.5;
+  1 + 2/4 = 1.5 is not below 1.5); dX (0.5, 4.0, 1.0) beyond 8; dW (0.1, 1.0, 1.0) never:
+  its MVUE estimate is compressed in every call."""
+  table = _table(tmp_path / "t.json", _bf16_rows(TOKENS, OUT, IN, forward=(1.0, 2.0, 1.5),
+                                                 dgrad=(0.5, 4.0, 1.0), wgrad=(0.1, 1.0, 1.0)))
+  opts = GemmOptions(mvue=True, transposable=True, backend="cusparselt", gemm_choice="measured",
+                     gemm_table=table)
+  choices = sparse_ops.get_backend("cusparselt").choices
+
+  def picked(micro_batches):
+    cs = choices(opts, (OUT, IN), TOKENS, jnp.bfloat16, micro_batches)
+    assert [c.gemm for c in cs] == list(gemm_choice.KINDS)
+    assert all(c.times is not None and c.times.source.startswith("table") for c in cs), cs
+    return {c.gemm for c in cs if c.sparse}, cs
+
+  assert picked(1)[0] == set()
+  assert picked(4)[0] == set()
+  got, cs = picked(8)
+  assert got == {"forward"}
+  assert cs[0].saving_ms() == pytest.approx(1.5 - 1.25) and cs[1].saving_ms() == 0.0
+  assert picked(16)[0] == {"forward", "dgrad"}
+  assert picked(1000)[0] == {"forward", "dgrad"}
+  # The same rows do not describe another shape, nor the FP8 GEMMs (e4m3 / e5m2, all TN).
+  other = choices(opts, (OUT, IN), 2 * TOKENS, jnp.bfloat16, 1000)
+  fp8 = choices(GemmOptions(mvue=True, transposable=True, backend="cusparselt", fp8=True,
+                            fp8_backward_operands="e5m2", gemm_table=table,
+                            gemm_choice="measured"), (OUT, IN), TOKENS, jnp.bfloat16, 1000)
+  for c in other + fp8:
+    assert not c.sparse and c.times is None, c
+
+
+def test_the_most_specific_row_wins(tmp_path):
+  """A row naming this device beats one that names none, whatever their order."""
+  generic = _bf16_rows(TOKENS, OUT, IN, forward=(1.0, 0.0, 2.0), dgrad=None, wgrad=None)[0]
+  kind = jax.devices()[0].device_kind
+  specific = {**generic, "device_kind": kind, "sparse_ms": 3.0}
+  other_device = {**generic, "device_kind": kind + " (another)", "compute_capability": "9.9",
+                  "sparse_ms": 0.5}
+  opts = dict(mvue=True, transposable=True, backend="cusparselt", gemm_choice="measured")
+  for i, rows in enumerate(([generic, specific, other_device], [specific, other_device, generic])):
+    table = _table(tmp_path / f"t{i}.json", rows)
+    gemm_choice.forget()
+    c = cslt_backend.choices(GemmOptions(gemm_table=table, **opts), (OUT, IN), TOKENS,
+                             jnp.bfloat16, 1)[0]
+    assert c.times.sparse_ms == 3.0 and not c.sparse, c
+
+
+def test_off_a_gpu_nothing_measured_is_dense_said_once(monkeypatch, caplog):
+  """'measured' without a time for the GEMM, where nothing can be measured (the CPU, here
+  with the stand-in): the dense GEMMs, exactly the 'xla' backend, no compression, and one
+  warning for the process however many GEMMs."""
+  want = _op("xla")
+  seen = _spy(monkeypatch)
+  with caplog.at_level(logging.INFO), cusparselt.standin():
+    got = _op("cusparselt", gemm_choice="measured")
+    _op("cusparselt", tokens=2 * TOKENS, gemm_choice="measured")   # 3 more GEMMs
+  assert seen == []
+  for a, b in zip(got, want):
+    np.testing.assert_array_equal(a, b)
+  warnings = [r for r in caplog.records if r.levelno == logging.WARNING
+              and "gemm_choice='measured'" in r.getMessage()]
+  assert len(warnings) == 1, [r.getMessage() for r in warnings]
+  infos = [r.getMessage() for r in caplog.records if "sparse GEMM choice" in r.getMessage()]
+  assert len(infos) == 6 and all("dense XLA GEMM" in m for m in infos), infos
+
+
+def test_a_measurement_goes_to_the_cache_and_comes_back(tmp_path):
+  """The on-device measurement, run here on the stand-in (jnp on the CPU: it times the
+  plumbing, not cuSPARSELt) from inside a traced function as a step would: its times are
+  cached under the GEMM's key and found there by the next process, which measures nothing."""
+  opts = GemmOptions(mvue=True, transposable=True, backend="cusparselt", gemm_choice="measured")
+  key = cslt_backend.gemm_key("wgrad", TOKENS, OUT, IN, jnp.bfloat16, opts)
+  measured = []
+
+  def measure():
+    measured.append(cslt_backend.measure_times("wgrad", TOKENS, OUT, IN, jnp.bfloat16, opts))
+    return measured[-1]
+
+  def traced(x):   # choose() while a step is traced, as the backend does
+    gemm_choice.choose("measured", "", key, compress_share=1.0, measure=measure)
+    return x
+
+  with cusparselt.standin():
+    jax.jit(traced)(jnp.zeros(3))
+  (times,) = measured
+  assert min(times.sparse_ms, times.compress_ms, times.dense_ms) > 0, times
+  path = gemm_times.cache_file()
+  assert path.parent.parent == tmp_path / "cache"
+  (row,) = gemm_times.parse_rows(json.loads(path.read_text()), path)
+  assert {f: row[f] for f in gemm_times.KEY_FIELDS} == key.row()
+  assert key.device_kind == jax.devices()[0].device_kind and key.gemm == "wgrad"
+  assert (key.m, key.n, key.k, key.layout, key.d_order) == (OUT, IN, TOKENS, "TT", "row")
+  assert [row[f] for f in gemm_times.TIME_FIELDS] == [times.sparse_ms, times.compress_ms,
+                                                      times.dense_ms]
+
+  gemm_choice.forget()   # a new process: found in the cache, not measured again
+  def fail():
+    raise AssertionError("measured again")
+  again = gemm_choice.choose("measured", "", key, compress_share=1.0, measure=fail)
+  assert again.times.source.startswith("cache")
+  assert (again.times.sparse_ms, again.times.dense_ms) == (times.sparse_ms, times.dense_ms)
+  assert again.sparse == (times.sparse_ms + times.compress_ms < times.dense_ms)
+
+
+# ---------------------------------------------------------------------------------------------
+# Training: the table against the forced choice.
+
+
+def _tiny(backend, **sparsity):
+  cfg = tiny_config("t_sr_ste", steps=2, overrides={
+      "batch_size": 8, "grad_accum_steps": 2, "sparsity.backend": backend,
+      "sparsity.mvue": True, "sparsity.t_sr_ste.decay": 6e-5, "model.dtype": "bfloat16",
+      **{f"sparsity.{k}": v for k, v in sparsity.items()}})
+  spec = RunSpec.build(cfg)
+  return cfg, spec, model_lib.GPT2(spec.model_cfg)
+
+
+def _losses(backend, steps=2, **sparsity):
+  cfg, spec, model = _tiny(backend, **sparsity)
+  state = train.fresh_state(model, spec.tx, 0)
+  tx = spec.tx(state.params, state.sparsity)
+  rng, out = np.random.default_rng(0), []
+  for _ in range(steps):
+    tok = jnp.asarray(rng.integers(0, 256, (8, 16)), jnp.int32)
+    state, m = train.train_step(state, {"inputs": tok, "targets": tok}, model=model, tx=tx,
+                                accum_steps=int(cfg.grad_accum_steps))
+    out.append(float(m["loss"] / m["count"]))
+  return out
+
+
+def _tiny_rows(**gemms):
+  """Rows for both FFN layers of the tiny model (d 32, hidden 128; 8 x 16 tokens in 2
+  micro-batches: 64 per GEMM)."""
+  return (_bf16_rows(64, 128, 32, **gemms) + _bf16_rows(64, 32, 128, **gemms))
+
+
+@pytest.mark.slow
+def test_training_gemms_marked_slower_equal_the_forced_dense_choice(tmp_path, monkeypatch):
+  """A few train steps of the tiny Hu et al. recipe (transposable masks, MVUE, 2
+  micro-batches): with every GEMM marked slower in the table, the losses are bit-identical
+  to gemm_choice='dense' and to the 'xla' backend, and nothing is compressed; with dX marked
+  faster (its W~^T compression shared by the 2 micro-batches: 0.5 + 1.0 / 2 < 1.2), they are
+  bit-identical to gemm_choice='dgrad', and only dX's W~^T is compressed."""
+  slower = _table(tmp_path / "slower.json", _tiny_rows(
+      forward=(1.0, 0.1, 0.5), dgrad=(1.0, 0.1, 0.5), wgrad=(1.0, 0.1, 0.5)))
+  dgrad = _table(tmp_path / "dgrad.json", _tiny_rows(
+      forward=(1.0, 0.1, 0.5), dgrad=(0.5, 1.0, 1.2), wgrad=(1.0, 0.1, 0.5)))
+  want = _losses("xla")
+  seen = _spy(monkeypatch)
+  with cusparselt.standin():
+    dense = _losses("cusparselt", gemm_choice="dense")
+    by_table = _losses("cusparselt", gemm_choice="measured", gemm_table=slower)
+    assert seen == []
+    forced = _losses("cusparselt", gemm_choice="dgrad")
+    n_forced = len(seen)
+    dx_table = _losses("cusparselt", gemm_choice="measured", gemm_table=dgrad)
+  assert dense == by_table == want, (dense, by_table, want)
+  assert dx_table == forced, (dx_table, forced)
+  # dX's contraction is over `out`: 128 (fc) and 32 (proj); once per layer per traced step.
+  assert n_forced and sorted(set(seen)) == [32, 128] and len(seen) == 2 * n_forced, seen
+
+
+def test_prepare_compresses_only_for_a_chosen_gemm(tmp_path):
+  """`prepare` holds W~ compressed for the forward only where the forward runs on
+  cuSPARSELt, and W~^T for dX only where dX does: per layer, from the table."""
+  rows = (_bf16_rows(64, 128, 32, forward=(0.1, 0.1, 1.0), dgrad=(1.0, 0.1, 0.5), wgrad=None)
+          + _bf16_rows(64, 32, 128, forward=(1.0, 0.1, 0.5), dgrad=(0.1, 0.1, 1.0), wgrad=None))
+  table = _table(tmp_path / "t.json", rows)
+  _, spec, model = _tiny("cusparselt", gemm_choice="measured", gemm_table=table)
+  state = train.fresh_state(model, spec.tx, 0)
+  with cusparselt.standin():
+    prepared = sparse_linear.prepare(spec.model_cfg, state.params, state.sparsity, tokens=64,
+                                     dtype=jnp.bfloat16, micro_batches=2)
+  flat = flax.traverse_util.flatten_dict(prepared)
+  got = {"/".join(k[:-1]): [n for p, n in ((q[:-1], q[-1]) for q in flat) if p == k[:-1]]
+         for k in flat}
+  assert got == {"h_0/mlp/fc": ["fwd"], "h_0/mlp/proj": ["dx"]}, got
