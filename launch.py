@@ -57,7 +57,8 @@ def _stop_while_importing(signum, frame) -> None:
   del signum, frame
   os.write(2, b"launch.py: stopped by SIGINT while starting; nothing was written. Run the "
            b"same command again to start.\n")
-  os._exit(75)   # errors.EXIT_PREEMPTED (s24jax is not imported yet)  pylint: disable=protected-access
+  # errors.EXIT_PREEMPTED (s24jax is not imported yet)
+  os._exit(75)   # pylint: disable=protected-access
 
 
 if __name__ == "__main__":

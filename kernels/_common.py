@@ -7,8 +7,9 @@ thing, and a second copy would drift:
   with its pack/unpack helpers that run both inside a kernel and in plain jnp;
 * the "which two of four" selection with the project-wide tie rule (ties go to
   the lower index, as in `s24jax.kernels.masks.nm_mask`);
-* a `pallas_call` builder that always passes Triton compiler params (on
-  jax >= 0.11 a GPU `pallas_call` without them lowers through Mosaic GPU) and
+* a `pallas_call` builder that always passes Triton compiler params (the
+  kernels are written for the Triton backend: they never depend on which
+  backend jax picks by default for a GPU `pallas_call`) and
   can poison the outputs (NaN / all-ones) through `input_output_aliases`, so a
   test sees every element a kernel forgets to write;
 * block-size selection (powers of two, as the Triton backend requires), the
@@ -57,12 +58,6 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
-
-# jax renamed TritonCompilerParams -> CompilerParams (0.7); guard both so the
-# same file runs on the CPU machines (0.10.x) and the GPU host (0.11.x).
-_TritonCompilerParams = getattr(plgpu, "CompilerParams", None) or getattr(
-    plgpu, "TritonCompilerParams")
 
 GROUPS_PER_WORD = 8          # nibbles per uint32 metadata word
 COLS_PER_WORD = 4 * GROUPS_PER_WORD
@@ -71,8 +66,15 @@ EMPTY_WORD = 0x44444444      # eight EMPTY nibbles
 
 
 def triton_params(num_warps: int, num_stages: int):
-  """Explicit Triton compiler params (never rely on the backend default)."""
-  return _TritonCompilerParams(num_warps=num_warps, num_stages=num_stages)
+  """Explicit Triton compiler params (never rely on the backend default).
+
+  Imported here, not at module level: the Pallas Triton backend is deprecated (jax 0.11 and
+  0.12 warn), and when it goes, importing s24jax must still work, with only the Triton
+  kernels failing (docs/kernels.md, "The Pallas Triton backend's deprecation")."""
+  from jax.experimental.pallas import triton as plgpu  # pylint: disable=g-import-not-at-top
+  # jax renamed TritonCompilerParams -> CompilerParams (0.7); both are looked up.
+  params = getattr(plgpu, "CompilerParams", None) or getattr(plgpu, "TritonCompilerParams")
+  return params(num_warps=num_warps, num_stages=num_stages)
 
 
 # ----------------------------------------------------------------------------

@@ -95,24 +95,27 @@ def remedy(e: OSError) -> str:
           else "make it writable")
 
 
-def write_failed(e: OSError, what: str, intact: str) -> WriteError:
-  """The one-line WriteError of a failed write of `what` (a path or a description)."""
+def write_failed(e: OSError, what: str, intact: str,
+                 error: type[errors.KnownError] = WriteError) -> errors.KnownError:
+  """The one-line WriteError (or `error`) of a failed write of `what` (a path or words)."""
   where = f" ({e.filename})" if e.filename and os.fspath(e.filename) not in what else ""
-  return WriteError(f"cannot write {what}{where}: {reason(e)}. {intact}")
+  return error(f"cannot write {what}{where}: {reason(e)}. {intact}")
 
 
 @contextlib.contextmanager
-def writing(what: str, intact: str) -> Iterator[None]:
-  """Turns a write error inside (WRITE_ERRNOS) into `write_failed`'s one line; any other
-  error is left as it is (a bug keeps its traceback)."""
+def writing(what: str, intact: str, under: str | None = None,
+            error: type[errors.KnownError] = WriteError) -> Iterator[None]:
+  """Turns a write error inside (`is_write_error`, for files `under` the folder written in)
+  into `write_failed`'s one line (`error`: DestinationError for a write before the work); any
+  other error is left as it is (a bug keeps its traceback)."""
   try:
     yield
-  except WriteError:
+  except errors.KnownError:
     raise
   except OSError as e:
-    if not is_write_error(e):
+    if not is_write_error(e, under):
       raise
-    raise write_failed(e, what, intact) from e
+    raise write_failed(e, what, intact, error) from e
 
 
 # ---------------------------------------------------------------------------------------------

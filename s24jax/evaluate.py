@@ -359,9 +359,14 @@ def main(argv: list[str] | None = None) -> int:
     else:
       destinations.check_folder(os.path.join(args.workdir, "zero_shot"),
                                 what="the evaluation report", flag="--json")
-    # Unknown tasks fail before the checkpoint is read.
-    loaded = [olmo_tasks.load_task(t, limit=args.limit, cache_dir=args.cache_dir)
-              for t in tasks]
+    # Unknown tasks fail before the checkpoint is read (the request files may be fetched once
+    # into --cache_dir).
+    with destinations.writing("the request files' cache", "Nothing was written; give "
+                              "--cache_dir a folder this process can write",
+                              str(olmo_tasks.cached_wheel(args.cache_dir).parent),
+                              destinations.DestinationError):
+      loaded = [olmo_tasks.load_task(t, limit=args.limit, cache_dir=args.cache_dir)
+                for t in tasks]
     trained = trained_lib.load_run(args.workdir, args.step)
     path = args.json or os.path.join(trained.workdir, "zero_shot", f"step_{trained.step}.json")
     _check_report_path(path)
@@ -371,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     report["limit"] = args.limit
     print(format_table(report))   # the scores on the terminal before any write
     with destinations.writing(f"the report {path}", "The table above holds the scores; the "
-                              "file is as it was"):
+                              "file is as it was", os.path.dirname(os.path.abspath(path))):
       os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
       destinations.write_atomic(path, json.dumps(report, indent=1))
   except errors.KnownError as e:

@@ -111,11 +111,12 @@ def write_hf_dir(out: str | os.PathLike[str], model_cfg: model_lib.ModelConfig, 
     info["token_ids"] = ("UTF-8 bytes: id = byte value 0-255 (list(text.encode('utf-8'))), "
                          "256 = the document separator; transformers has no such tokenizer, "
                          "none is written")
-  need = sum(np.asarray(v).nbytes for v in state.values()) + TOKENIZER_BYTES
+  need = (sum(np.asarray(v).nbytes for v in state.values()) + (1 << 20)
+          + (TOKENIZER_BYTES if tokenizer == "gpt2" else 0))
   destinations.check_folder(str(out.parent), what="the export", flag="--out", need_bytes=need)
   intact = ("The earlier export there is intact." if out.exists() else
             "Nothing was left there.") + " Free space or choose another --out, then run again"
-  with destinations.writing(f"the export {out}", intact):
+  with destinations.writing(f"the export {out}", intact, str(out.parent)):
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
@@ -135,7 +136,7 @@ def write_hf_dir(out: str | os.PathLike[str], model_cfg: model_lib.ModelConfig, 
   return out
 
 
-TOKENIZER_BYTES = 10 << 20   # GPT-2's tokenizer files (9.6 MB) and the small JSON files
+TOKENIZER_BYTES = 4 << 20   # GPT-2's tokenizer files: 3.1 MB (vocab, merges, tokenizer.json)
 
 
 def check_out(out: pathlib.Path, overwrite: bool) -> None:

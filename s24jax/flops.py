@@ -199,7 +199,7 @@ def planned(spec: RunSpec, upto: int | None = None) -> Accountant:
 
 def _main(argv) -> None:
   """`python -m s24jax.flops CONFIG [path.to.field=value ...]`: exit 0, or 2 with one line
-  for a user error (s24jax/errors.py)."""
+  for a user error, 75 for Ctrl-C (s24jax/errors.py). It writes nothing."""
   # pylint: disable=g-import-not-at-top   (the command line's checks; the library needs none)
   from s24jax import errors, validate
   usage = ("usage: python -m s24jax.flops experiments/X.py[:variant] "
@@ -212,10 +212,13 @@ def _main(argv) -> None:
       raise errors.UserError(f"no config file given; {usage}")
     config = validate.load_config(argv[1], args=argv[2:])
     spec = validate.check_config(config)
+    s = summary(planned(spec))
   except errors.UserError as e:
     print(f"s24jax.flops: {e}", file=sys.stderr)
     raise SystemExit(e.exit_code) from None
-  s = summary(planned(spec))
+  except KeyboardInterrupt:
+    print("s24jax.flops: stopped by SIGINT", file=sys.stderr)
+    raise SystemExit(errors.EXIT_PREEMPTED) from None
   for k, v in s.items():
     print(f"{k:26s} {v:.4g}")
 

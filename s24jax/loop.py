@@ -7,8 +7,7 @@ included). The loop then, for every step: decides what the step is (`StepInfo`: 
 whether it is logged), picks the step's model (the method's phases: dense fine-tuning,
 attention windows; one compiled step per distinct model), runs the due "before" chores, the
 jitted train step, and the due "after" chores: log, eval, checkpoint, FLOP accounting,
-activation statistics and the method's own (s24jax/chores.py). Nothing here names a method.
-"""
+activation statistics and the method's own (s24jax/chores.py). Nothing here names a method."""
 from __future__ import annotations
 
 import contextlib
@@ -26,6 +25,7 @@ from tqdm import tqdm
 from s24jax import checkpoint as ckpt_lib
 from s24jax.data import batches
 from s24jax import chores as chores_lib
+from s24jax import destinations
 from s24jax import errors
 from s24jax import export
 from s24jax import flops as flops_lib
@@ -225,9 +225,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   if run.step == config.stop_at_step:
     logging.warning("stop_at_step=%d reached: leaving without a final checkpoint", run.step)
   elif primary:
-    with _closing(run):
-      with open(final_path, "w", encoding="utf-8") as f:
-        json.dump({k: float(v) for k, v in run.final.items() if v is not None}, f, indent=2)
+    with _closing(run), destinations.writing(final_path, "The checkpoints are intact."):
+      destinations.write_atomic(final_path, json.dumps(   # a torn file would block the next run
+          {k: float(v) for k, v in run.final.items() if v is not None}, indent=2))
   return run.final
 
 

@@ -38,6 +38,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import re
 import sys
 import time
@@ -356,12 +357,16 @@ def main(argv=None) -> int:
   except errors.UserError as e:
     print(f"s24jax.plan: {e}", file=sys.stderr)
     return e.exit_code
+  except KeyboardInterrupt:
+    print("s24jax.plan: stopped by SIGINT; nothing was written", file=sys.stderr)
+    return errors.EXIT_PREEMPTED
   report["command"] = " ".join(["python -m s24jax.plan"] + (argv or sys.argv[1:]))
   print(format_report(report))
   if args.json:
     try:
+      folder = os.path.dirname(os.path.abspath(args.json))
       with destinations.writing(f"the report {args.json}", "The report above is complete; "
-                                "the file is as it was"):
+                                "the file is as it was", folder):
         destinations.write_atomic(args.json, json.dumps(report, indent=2))
     except errors.KnownError as e:
       print(f"s24jax.plan: {e}", file=sys.stderr)

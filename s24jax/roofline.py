@@ -66,7 +66,8 @@ class SparseGemm:
   k: int
   sparse_ms: float       # kernel on an operand compressed beforehand
   compress_ms: float     # one compression of the sparse operand (A, m x k)
-  dense_ms: float        # the dense XLA GEMM of the same product
+  dense_ms: float        # the dense XLA GEMM of the same product...
+  dense_precision: str = "bf16"   # ... in bf16 or with FP8 operands
 
   @property
   def flops(self) -> float:
@@ -104,9 +105,10 @@ def precision(kernel: step_census.Kernel) -> str:
 
 
 def _dense_model_s(g: SparseGemm, c: Constants) -> float:
-  """The model's time of the dense GEMM of a measured product (bf16 or FP8 operands)."""
-  rate = c.flops_per_s * (FP8_SPEEDUP if g.precision == "fp8" else 1.0)
-  size = 1 if g.precision == "fp8" else 2
+  """The model's time of the dense GEMM the table timed for a measured product."""
+  fp8 = g.dense_precision == "fp8"
+  rate = c.flops_per_s * (FP8_SPEEDUP if fp8 else 1.0)
+  size = 1 if fp8 else 2
   nbytes = size * (g.m * g.k + g.k * g.n) + 2 * g.m * g.n
   return max(g.flops / rate, nbytes / c.bytes_per_s) + c.launch_s
 

@@ -1,7 +1,7 @@
 """The kernels a compiled step launches, from its optimized HLO text: what each costs and why
 it is there.
 
-`census(hlo_text)` lists every kernel one execution of the module launches (`Kernel`):
+`census(text)` lists every kernel one execution of the module launches (`Kernel`):
 
   * a top-level fusion, custom call (cuBLAS / cuBLASLt GEMMs, cuDNN attention, the
     cuSPARSELt FFI calls `cusparselt_*`), copy, transpose or any other op that is not
@@ -32,10 +32,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import math
 import re
 from typing import Iterable
+
+from s24jax.hlo_text import (Computation, Instr, Module, arrays, callees, elements,
+                              ffi_attributes, int_list, is_fp8, known_trip_count, nbytes,
+                              parse)
 
 # Categories, in the order tables list them.
 DENSE_GEMM = "dense GEMM"
@@ -76,12 +79,6 @@ SOURCES: tuple[tuple[str, tuple[str, ...], tuple[str, ...], tuple[str, ...]], ..
     (ATTENTION, ("dot_product_attention", "attend"), ("attend",),
      ("s24jax/attention_masks.py",)),
 )
-FP8_TYPES = ("f8e4m3fn", "f8e5m2", "f8e4m3", "f8e5m2fnuz", "f8e4m3fnuz", "f8e4m3b11fnuz")
-
-BYTES_PER_ELEMENT = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-                     "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
-                     "c128": 16, "s4": 0.5, "u4": 0.5, "s2": 0.25, "u2": 0.25, "token": 0,
-                     **{t: 1 for t in FP8_TYPES}}
 # Ops that launch nothing: bookkeeping, or the second half of an async pair.
 NOT_KERNELS = frozenset((
     "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
@@ -95,25 +92,6 @@ MOVES = frozenset(("copy", "transpose", "bitcast", "reshape", "broadcast", "slic
                    "scatter", "get-tuple-element", "tuple", "parameter", "constant", "iota",
                    "reverse", "copy-start", "bitcast-convert", "convert"))
 GEMM_CUSTOM_CALLS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8")
-
-
-@dataclasses.dataclass(frozen=True)
-class Instr:
-  name: str
-  type: str                     # the result type text, tuples included
-  opcode: str
-  operands: tuple[str, ...]     # instruction names
-  attrs: str                    # everything after the operand list
-  args: str = ""                # the operand list as written (a parameter's number)
-  op_name: str = ""
-  frame: int = 0                # stack_frame_id (0: none)
-
-
-@dataclasses.dataclass
-class Computation:
-  name: str
-  instrs: dict[str, Instr]      # in program order
-  root: str
 
 
 @dataclasses.dataclass
@@ -137,181 +115,6 @@ class Kernel:
   attributes: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
-# ---------------------------------------------------------------------------------------------
-# Parsing
-
-_HEADER = re.compile(r"^(ENTRY )?%?([\w.\-]+) \(.*\) -> .* \{$")
-_ARRAY = re.compile(r"\b([a-z]+\d*(?:e\dm\d\w*)?)\[([\d,]*)\]")
-_NAME = re.compile(r"%([\w.\-]+)")
-
-
-def _matching(text: str, start: int) -> int:
-  """Index just past the bracket closing the one at text[start]."""
-  pairs = {"(": ")", "{": "}", "[": "]"}
-  stack = []
-  i = start
-  while i < len(text):
-    c = text[i]
-    if c == '"':
-      i = text.index('"', i + 1) if '"' in text[i + 1:] else len(text)
-    elif c in pairs:
-      stack.append(pairs[c])
-    elif stack and c == stack[-1]:
-      stack.pop()
-      if not stack:
-        return i + 1
-    i += 1
-  raise ValueError(f"unbalanced brackets in HLO line: {text[:200]}")
-
-
-def _parse_instr(line: str) -> Instr | None:
-  body = line.strip()
-  if body.startswith("ROOT "):
-    body = body[5:]
-  if not body.startswith("%") or " = " not in body:
-    return None
-  name, rest = body[1:].split(" = ", 1)
-  end = _matching(rest, 0) if rest.startswith("(") else rest.index(" ")
-  type_text, rest = rest[:end], rest[end:].lstrip()
-  paren = rest.index("(")
-  opcode = rest[:paren]
-  close = _matching(rest, paren)
-  operands = tuple(_NAME.findall(rest[paren:close]))
-  attrs = rest[close:]
-  op_name = re.search(r'op_name="((?:[^"\\]|\\.)*)"', attrs)
-  frame = re.search(r"stack_frame_id=(\d+)", attrs)
-  return Instr(name, type_text, opcode, operands, attrs, rest[paren + 1:close - 1],
-               op_name.group(1) if op_name else "", int(frame.group(1)) if frame else 0)
-
-
-@dataclasses.dataclass
-class Module:
-  computations: dict[str, Computation]
-  entry: str
-  frames: dict[int, tuple[str, str]]       # stack frame id -> (file, function) of its chain...
-  parents: dict[int, int]                  # ... and its caller (0: none)
-
-  def frame_chain(self, frame: int) -> list[tuple[str, str]]:
-    """(file, function) of a stack frame and its callers, innermost first."""
-    out, seen = [], set()
-    while frame and frame not in seen and frame in self.frames:
-      seen.add(frame)
-      out.append(self.frames[frame])
-      frame = self.parents.get(frame, 0)
-    return out
-
-
-def parse(text: str) -> Module:
-  """The computations and the stack-frame table of an HLO module's text."""
-  comps: dict[str, Computation] = {}
-  entry, cur, root = "", None, ""
-  tables: dict[str, dict[int, str]] = {"FileNames": {}, "FunctionNames": {},
-                                       "FileLocations": {}, "StackFrames": {}}
-  table = None
-  for line in text.splitlines():
-    if line in tables:
-      table = line
-      continue
-    if table is not None:
-      m = re.match(r"^(\d+) (.*)$", line)
-      if m:
-        tables[table][int(m.group(1))] = m.group(2)
-        continue
-      table = None
-    if cur is None:
-      m = _HEADER.match(line)
-      if m:
-        cur, root = {}, ""
-        name = m.group(2)
-        if m.group(1):
-          entry = name
-      continue
-    if line.startswith("}"):
-      comps[name] = Computation(name, cur, root or (list(cur)[-1] if cur else ""))
-      cur = None
-      continue
-    instr = _parse_instr(line)
-    if instr is not None:
-      cur[instr.name] = instr
-      if line.lstrip().startswith("ROOT "):
-        root = instr.name
-  if not entry:
-    raise ValueError("no ENTRY computation in the HLO text")
-  files = {k: v.strip('"') for k, v in tables["FileNames"].items()}
-  funcs = {k: v.strip('"') for k, v in tables["FunctionNames"].items()}
-  locs = {}
-  for k, v in tables["FileLocations"].items():
-    f = re.search(r"file_name_id=(\d+)", v)
-    fn = re.search(r"function_name_id=(\d+)", v)
-    locs[k] = (files.get(int(f.group(1)), "") if f else "",
-               funcs.get(int(fn.group(1)), "") if fn else "")
-  frames, parents = {}, {}
-  for k, v in tables["StackFrames"].items():
-    loc = re.search(r"file_location_id=(\d+)", v)
-    parent = re.search(r"parent_frame_id=(\d+)", v)
-    frames[k] = locs.get(int(loc.group(1)), ("", "")) if loc else ("", "")
-    # XLA prints the parent's id plus one (1: no parent).
-    parents[k] = int(parent.group(1)) - 1 if parent else 0
-  return Module(comps, entry, frames, parents)
-
-
-
-
-# ---------------------------------------------------------------------------------------------
-# Shapes, FLOPs and bytes
-
-def arrays(type_text: str) -> list[tuple[str, tuple[int, ...]]]:
-  """(element type, dimensions) of every array in a type (a tuple's elements in order)."""
-  return [(t, tuple(int(d) for d in dims.split(",") if d))
-          for t, dims in _ARRAY.findall(type_text) if t in BYTES_PER_ELEMENT]
-
-
-def nbytes(type_text: str) -> float:
-  return float(sum(BYTES_PER_ELEMENT[t] * math.prod(dims) for t, dims in arrays(type_text)))
-
-
-def elements(type_text: str) -> int:
-  return sum(math.prod(dims) for _, dims in arrays(type_text))
-
-
-def _int_list(attrs: str, key: str) -> tuple[int, ...]:
-  """`key={1,2}` (HLO attribute) or `"key":["1","2"]` (JSON backend config)."""
-  m = re.search(rf"\b{key}=\{{([\d,]*)\}}", attrs) or re.search(
-      rf'"{key}":\s*\[([\d",\s]*)\]', attrs)
-  return tuple(int(d.strip(' "')) for d in m.group(1).split(",") if d.strip(' "')) if m else ()
-
-
-def _callees(attrs: str, keys: Iterable[str]) -> list[str]:
-  out = []
-  for key in keys:
-    for m in re.finditer(rf"\b{key}=(\{{[^}}]*\}}|%[\w.\-]+)", attrs):
-      out.extend(_NAME.findall(m.group(1)))
-  return out
-
-
-def _known_trip_count(attrs: str) -> int | None:
-  m = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', attrs)
-  return int(m.group(1)) if m else None
-
-
-def ffi_attributes(attrs: str) -> dict[str, str]:
-  """An FFI call's backend config, `backend_config={k = 768 : i64, a_dtype = "bf16"}`, as
-  {"k": "768", "a_dtype": "bf16"} ({} for a JSON backend config)."""
-  m = re.search(r"backend_config=\{([^{}]*)\}", attrs)
-  if not m or m.group(1).lstrip().startswith('"'):
-    return {}
-  out = {}
-  for item in m.group(1).split(","):
-    if "=" in item:
-      key, value = item.split("=", 1)
-      out[key.strip()] = value.split(":")[0].strip().strip('"')
-  return out
-
-
-def _is_fp8(type_text: str) -> bool:
-  return any(t in FP8_TYPES for t, _ in arrays(type_text))
-
-
 class _Walk:
   """Walks a parsed module's computations and lists its kernels (the module docstring)."""
 
@@ -326,22 +129,22 @@ class _Walk:
       if op in NOT_KERNELS:
         continue
       if op == "while":
-        trips = _known_trip_count(instr.attrs)
-        self.walk(_callees(instr.attrs, ("body",))[0], count * (trips or 1), branch,
+        trips = known_trip_count(instr.attrs)
+        self.walk(callees(instr.attrs, ("body",))[0], count * (trips or 1), branch,
                   trips_known and trips is not None)
         if trips is None:   # the condition runs too, at least once (not counted further)
-          self.walk(_callees(instr.attrs, ("condition",))[0], count, branch, False)
+          self.walk(callees(instr.attrs, ("condition",))[0], count, branch, False)
         continue
       if op == "conditional":
-        named = [("true", c) for c in _callees(instr.attrs, ("true_computation",))]
-        named += [("false", c) for c in _callees(instr.attrs, ("false_computation",))]
+        named = [("true", c) for c in callees(instr.attrs, ("true_computation",))]
+        named += [("false", c) for c in callees(instr.attrs, ("false_computation",))]
         named += [(str(i), c) for i, c in
-                  enumerate(_callees(instr.attrs, ("branch_computations",)))]
+                  enumerate(callees(instr.attrs, ("branch_computations",)))]
         for label, callee in named:
           self.walk(callee, count, f"{instr.name}:{label}", trips_known)
         continue
       if op == "call":
-        for callee in _callees(instr.attrs, ("to_apply",)):
+        for callee in callees(instr.attrs, ("to_apply",)):
           self.walk(callee, count, branch, trips_known)
         continue
       self.kernels.append(self.kernel(instr, comp, count, branch, trips_known))
@@ -360,7 +163,7 @@ class _Walk:
     out = []
     for instr in comp.instrs.values():
       out.append((instr, comp))
-      for callee in _callees(instr.attrs, ("calls",)):
+      for callee in callees(instr.attrs, ("calls",)):
         out.extend(self._fused(callee))
     return out
 
@@ -369,7 +172,7 @@ class _Walk:
     for instr, comp in instrs:
       if instr.opcode == "dot":
         lhs = arrays(self._type_of(comp, instr.operands[0]))
-        k = math.prod(lhs[0][1][d] for d in _int_list(instr.attrs, "lhs_contracting_dims"))
+        k = math.prod(lhs[0][1][d] for d in int_list(instr.attrs, "lhs_contracting_dims"))
         total += 2.0 * elements(instr.type) * k
       elif instr.opcode == "convolution":
         # 2 x output elements x kernel elements / output features (the GEMM-like ones XLA
@@ -386,8 +189,8 @@ class _Walk:
 
   def _fusion_bytes(self, instr: Instr, caller: Computation, comp: Computation) -> float:
     """Operands and outputs of a fusion; a parameter that is only sliced reads its slices,
-    one that an in-place dynamic-update-slice updates is not read, and that update writes
-    only its slice (XLA:GPU's accounting)."""
+    one that an in-place dynamic-update-slice or scatter updates is not read, and that
+    update writes only its slice (XLA:GPU's accounting)."""
     params = {int(p.args): p.name for p in comp.instrs.values()
               if p.opcode == "parameter" and p.args.isdigit()}
     users = collections.defaultdict(list)
@@ -401,8 +204,8 @@ class _Walk:
       if uses and all(u.opcode in ("dynamic-slice", "slice", "gather")
                       and u.operands[0] == params[i] for u in uses):
         total += min(full, sum(nbytes(u.type) for u in uses))
-      elif uses and all(u.opcode == "dynamic-update-slice" and u.operands[0] == params[i]
-                        for u in uses):
+      elif uses and all(u.opcode in ("dynamic-update-slice", "scatter")
+                        and u.operands[0] == params[i] for u in uses):
         continue    # updated in place: the write is its update, counted with the output
       else:
         total += full
@@ -416,6 +219,9 @@ class _Walk:
       return self._written(comp, instr.operands[0])
     if instr.opcode == "dynamic-update-slice":
       return nbytes(self._type_of(comp, instr.operands[1]))
+    if instr.opcode == "scatter":   # in place: the updates (the operands after the indices)
+      half = (len(instr.operands) - 1) // 2
+      return sum(nbytes(self._type_of(comp, o)) for o in instr.operands[1 + half:])
     return nbytes(instr.type)
 
   def kernel(self, instr: Instr, comp: Computation, count: int, branch: str,
@@ -423,7 +229,7 @@ class _Walk:
     operands_bytes = sum(nbytes(self._type_of(comp, o)) for o in instr.operands)
     target, mnk, fp8 = "", None, False
     if instr.opcode == "fusion":
-      callee = _callees(instr.attrs, ("calls",))[0]
+      callee = callees(instr.attrs, ("calls",))[0]
       inner = self._fused(callee)
       kind = re.search(r'"kind":"([^"]+)"', instr.attrs) or re.search(r"kind=(\w+)",
                                                                         instr.attrs)
@@ -431,14 +237,14 @@ class _Walk:
       flops = self._flops(inner)
       nbytes_ = self._fusion_bytes(instr, comp, self.m.computations[callee])
       dots = [(i, c) for i, c in inner if i.opcode in ("dot", "convolution")]
-      fp8 = any(_is_fp8(self._type_of(c, o)) for i, c in dots for o in i.operands)
+      fp8 = any(is_fp8(self._type_of(c, o)) for i, c in dots for o in i.operands)
     elif instr.opcode == "custom-call":
       target = re.search(r'custom_call_target="([^"]+)"', instr.attrs).group(1)
       inner = [(instr, comp)]
       flops, mnk = self._custom_call_flops(instr, comp, target)
       nbytes_ = operands_bytes + nbytes(instr.type)
       dots = [(instr, comp)] if mnk else []
-      fp8 = bool(mnk) and any(_is_fp8(self._type_of(comp, o)) for o in instr.operands[:2])
+      fp8 = bool(mnk) and any(is_fp8(self._type_of(comp, o)) for o in instr.operands[:2])
     else:
       inner = [(instr, comp)]
       flops = self._flops(inner)
@@ -468,9 +274,9 @@ class _Walk:
       return 0.0, None
     if target in GEMM_CUSTOM_CALLS and out and ins and ins[0]:
       k = math.prod(ins[0][0][1][d]
-                    for d in _int_list(instr.attrs, "lhs_contracting_dimensions"))
+                    for d in int_list(instr.attrs, "lhs_contracting_dimensions"))
       batch = math.prod(ins[0][0][1][d]
-                        for d in _int_list(instr.attrs, "lhs_batch_dimensions"))
+                        for d in int_list(instr.attrs, "lhs_batch_dimensions"))
       m = math.prod(ins[0][0][1]) // max(k * batch, 1)
       n = math.prod(out[0][1]) // max(m * batch, 1)
       return 2.0 * batch * m * n * k, (batch * m, n, k)
@@ -528,7 +334,7 @@ class _Walk:
     source = self._sources(body)
     if source is not None:
       return source
-    if any(_is_fp8(i.type) for i in body):
+    if any(is_fp8(i.type) for i in body):
       return FP8
     if self._optimizer(instr):
       return OPTIMIZER
@@ -542,9 +348,9 @@ def _intermediate_shape(attrs: str) -> tuple[int, ...]:
   return tuple(int(d.strip(' "')) for d in m.group(1).split(",") if d.strip(' "')) if m else ()
 
 
-def census(hlo_text: str) -> list[Kernel]:
+def census(text: str) -> list[Kernel]:
   """Every kernel one execution of the module launches (the module docstring)."""
-  module = parse(hlo_text)
+  module = parse(text)
   walk = _Walk(module)
   walk.walk(module.entry, 1)
   return walk.kernels

@@ -46,6 +46,7 @@ from s24jax import sharding
 from s24jax import state as state_lib
 from s24jax import workdir as workdir_lib
 from s24jax.data import cache
+from s24jax.data import sources
 from s24jax.data import tokenizer
 from s24jax.run_spec import RunSpec
 from s24jax.errors import UserError
@@ -333,8 +334,9 @@ def load_tokens(config) -> cache.TokenData:
   """The token streams (the cache prepared once, checked against its checksums); with several
   processes, process 0 prepares the cache while the others wait at a barrier (so they never
   race to write it). Problems with the data are UserErrors."""
-  with destinations.writing("the token cache", "Its complete entries are intact; nothing "
-                            "was written in the workdir"), \
+  root = str(sources.cache_root(config.data.get("cache_dir")))
+  with destinations.writing(f"the token cache in {root}", "Its complete entries are intact; "
+                            "nothing was written in the workdir", root), \
        errors.user_errors(ValueError, FileNotFoundError, NotADirectoryError, PermissionError,
                           context="config.data: "):
     if jax.process_count() > 1:

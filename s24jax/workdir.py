@@ -192,9 +192,11 @@ class WorkdirLock:
     if holder and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
       try:
         os.remove(self.path)
-      except OSError as e:
-        if e.errno != errno.ENOENT:
-          raise
+      except FileNotFoundError:
+        pass
+      except OSError as e:   # the folder made read-only meanwhile: the run is over anyway
+        logging.warning("cannot remove %s (%s): a later run on this host takes it over, "
+                        "this process being gone", self.path, destinations.reason(e))
     self._remove_created()
 
   def _remove_created(self) -> None:

@@ -3,9 +3,9 @@ test_workdir.py, test_metrics.py): a folder on a read-only filesystem, a full di
 snapshot of a tree (every file's sha256, every folder) to compare before and after.
 
 Simulated in process, at Python's entry points to the filesystem (os.open / os.mkdir /
-os.write / os.fsync / os.link / os.replace / os.rename / os.unlink / os.rmdir and the built-in
-open in a writing mode), for paths under the faulty folder only, each raising the OSError the
-kernel gives there (EROFS: every change refused; ENOSPC: a new file, a new folder or a write
+os.write / os.fsync / os.link / os.replace / os.rename / os.unlink / os.remove / os.rmdir and
+the built-in open in a writing mode), for paths under the faulty folder only, each raising the
+OSError the kernel gives there (EROFS: every change refused; ENOSPC: a new file, a new folder or a write
 refused). Why simulated: the suite may run as root, whom file modes do not stop (chmod 0o555
 changes nothing), and mounting a real read-only or full filesystem needs privileges CI may not
 have. What it cannot reach: writes made in C (tensorstore under Orbax, safetensors' Rust
@@ -53,7 +53,7 @@ class Faults:
     self._fds: dict[int, tuple[str, int]] = {}                # fd -> (path, inode) opened
     self.hits: list[tuple[str, str]] = []                     # (operation, path) refused
     real = {n: getattr(os, n) for n in ("open", "mkdir", "write", "fsync", "link", "replace",
-                                        "rename", "unlink", "rmdir", "close")}
+                                        "rename", "unlink", "remove", "rmdir", "close")}
     real_open = builtins.open
 
     def rule(op: str, *paths) -> None:
@@ -110,11 +110,12 @@ class Faults:
         rule("write", file)
       return real_open(file, mode, *args, **kwargs)
 
-    for name, fn in (("open", os_open), ("write", os_write), ("fsync", os_fsync),
-                     ("close", os_close), ("link", two_paths("link")),
-                     ("replace", two_paths("replace")), ("rename", two_paths("rename")),
-                     ("mkdir", one_path("mkdir", "create")), ("unlink", one_path("unlink", "change")),
-                     ("rmdir", one_path("rmdir", "change"))):
+    patches = {"open": os_open, "write": os_write, "fsync": os_fsync, "close": os_close,
+               "link": two_paths("link"), "replace": two_paths("replace"),
+               "rename": two_paths("rename"), "mkdir": one_path("mkdir", "create"),
+               "unlink": one_path("unlink", "change"), "remove": one_path("remove", "change"),
+               "rmdir": one_path("rmdir", "change")}
+    for name, fn in patches.items():
       monkeypatch.setattr(os, name, fn)
     monkeypatch.setattr(builtins, "open", open_)
     monkeypatch.setattr(io, "open", open_)

@@ -40,7 +40,7 @@ PACKAGE_DIRS = {"s24jax": "s24jax", "kernels": "s24jax.kernels"}
 KERNELS = "s24jax.kernels"
 # Command-line tools: modules that may import the library, never the other way round.
 TOOLS = ("s24jax.plan", "s24jax.compare", "s24jax.gpu_report", "s24jax.kernels.bench",
-         "s24jax.kernels.compile_check", "launch")
+         "s24jax.kernels.compile_check", "s24jax.step_model", "launch")
 EXTRA_MODULES = {"launch": "launch.py"}   # tools outside the package (scanned, and a target)
 SPARSE_OPS = "s24jax.sparse_ops"
 # One file per backend of the sparse linear op (s24jax/sparse_ops/<name>.py), and the shared
@@ -376,3 +376,44 @@ def test_the_length_rule_needs_a_count_and_a_reason():
   assert length_reason("Reads 12 lines of the header and then every record that "
                        "follows.") is None                               # a small count
   assert length_reason(None) is None
+
+
+# The Pallas Triton backend is deprecated (jax 0.11, 0.12): importing s24jax must survive its
+# removal, so it is imported only inside the functions that build a Triton kernel
+# (docs/kernels.md, "The Pallas Triton backend's deprecation").
+TRITON_MODULE = "jax.experimental.pallas.triton"
+
+
+def module_level_triton_imports(path: pathlib.Path) -> list[int]:
+  """Lines of `path` that import the Pallas Triton backend when the module is imported (at
+  module level, or in a module-level if/try block; not inside a function or class)."""
+  lines = []
+
+  def visit(nodes):
+    for node in nodes:
+      if isinstance(node, ast.Import):
+        if any(a.name == TRITON_MODULE or a.name.startswith(TRITON_MODULE + ".")
+               for a in node.names):
+          lines.append(node.lineno)
+      elif isinstance(node, ast.ImportFrom):
+        names = [f"{node.module}.{a.name}" for a in node.names] + [node.module or ""]
+        if any(n == TRITON_MODULE or n.startswith(TRITON_MODULE + ".") for n in names):
+          lines.append(node.lineno)
+      elif isinstance(node, (ast.If, ast.Try, ast.With)):
+        visit([*node.body, *getattr(node, "orelse", []), *getattr(node, "finalbody", []),
+               *[s for h in getattr(node, "handlers", []) for s in h.body]])
+
+  visit(ast.parse(path.read_text()).body)
+  return lines
+
+
+def test_the_triton_backend_is_never_imported_at_module_level(tmp_path):
+  bad = [f"{f.relative_to(ROOT)}:{line}" for folder in PACKAGE_DIRS
+         for f in sorted((ROOT / folder).rglob("*.py"))
+         for line in module_level_triton_imports(f)]
+  assert not bad, f"{TRITON_MODULE} imported at module level: {bad}"
+  planted = tmp_path / "planted.py"
+  planted.write_text("import os\ntry:\n  from jax.experimental.pallas import triton as t\n"
+                     "except ImportError:\n  pass\n\ndef f():\n"
+                     "  import jax.experimental.pallas.triton\n")
+  assert module_level_triton_imports(planted) == [3]      # the function's import is fine

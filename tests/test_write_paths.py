@@ -8,7 +8,8 @@ wrong and what to do, no traceback, and every file before and after (tests/fault
 points (tests/faults.py says why and what that cannot reach).
 
 Commands: launch.py (the notebook's `loop.train_and_evaluate` is the same path behind it),
-`python -m s24jax.evaluate`, `.export`, `.plan` (its checks, before the compile plugin);
+`python -m s24jax.evaluate`, `.export`, `.plan` (its checks, before the compile plugin, and
+its write after a compile whose report the test gives);
 `python -m s24jax.flops` writes nothing (its config errors: tests/test_errors.py). Runs are
 copies of the session's trained run (tests/conftest.py `undisturbed`): a finished run,
 restored, never trained again here."""
@@ -24,6 +25,8 @@ import subprocess
 import sys
 
 import pytest
+from absl import flags
+from absl import logging as absl_logging
 from flax import traverse_util
 from safetensors import SafetensorError
 
@@ -71,8 +74,10 @@ def finished(undisturbed, tmp_path):
 
 def _launch_argv(workdir, data_cache, *extra):
   """launch.py's command line for the session's run (tests/train_helpers.run_config)."""
-  flat = lambda c: {k: v for k, v in traverse_util.flatten_dict(c.to_dict(), sep=".").items()  # pylint: disable=unnecessary-lambda-assignment
-                    if v is not None and not isinstance(v, (tuple, list))}
+  def flat(config):
+    return {k: v for k, v in traverse_util.flatten_dict(config.to_dict(), sep=".").items()
+            if v is not None and not isinstance(v, (tuple, list))}
+
   have = flat(config_files.load_config(EXPERIMENT))
   overrides = [f"--config.{k}={v}" for k, v in flat(run_config(data_cache)).items()
                if have.get(k) != v]
@@ -84,7 +89,10 @@ def launch_main(data_cache, capfd):
   """launch.py's main in this process, as `python launch.py ...` runs it: (exit code, what the
   terminal shows: s24jax's lines and every warning, launch._OnlyOursOrWarnings)."""
   root = std_logging.getLogger()
-  saved = (root.level, list(root.handlers), sys.unraisablehook)
+  absl_handler = absl_logging.get_absl_handler()
+  absl_logger = std_logging.getLogger("absl")
+  saved = (root.level, list(root.handlers), sys.unraisablehook, list(absl_handler.filters),
+           absl_logger.level)
 
   def run(workdir, *extra):
     terminal = io.StringIO()
@@ -104,6 +112,9 @@ def launch_main(data_cache, capfd):
           h.close()
       root.setLevel(saved[0])
       sys.unraisablehook = saved[2]
+      absl_handler.filters[:] = saved[3]
+      flags.FLAGS.unparse_flags()   # absl logs differently once flags are parsed
+      absl_logger.setLevel(saved[4])  # (and unparsing sets its logger's level)
     out, err = capfd.readouterr()
     return code, terminal.getvalue() + out + err
 
@@ -181,11 +192,13 @@ def test_launch_write_faults(finished, launch_main, tmp_path, monkeypatch):
       Faults(monkeypatch).readonly(run)
       return path
     return route_logs
-  monkeypatch.setattr(launch, "_route_logs", read_only_from_now_on(launch._route_logs))  # pylint: disable=protected-access
+  original = launch._route_logs   # pylint: disable=protected-access
+  monkeypatch.setattr(launch, "_route_logs", read_only_from_now_on(original))
   code, terminal = launch_main(run)
   assert code == errors.EXIT_STORAGE, terminal
   _one_line(terminal, f"cannot write the run's files in {run}")
   assert "the filesystem is read-only" in terminal and "checkpoints already complete" in terminal
+  _one_line(terminal, f"cannot remove {run / 'run.lock'} (the filesystem is read-only)")
   assert _run_files(snapshot(run)) == _run_files(before_run)
 
 
@@ -329,3 +342,22 @@ def test_plan_checks_its_report_path_before_compiling(tmp_path, monkeypatch, cap
     assert code == errors.EXIT_USER and err.startswith("s24jax.plan: "), err
     _one_line(err, says)
     assert snapshot(tmp_path) == before, path
+
+  # After the compile (its report given here: the write path is what is tested), the disk
+  # fills: the report is printed, the earlier one at --json stays whole.
+  report = {"fits": True, "gpu": "h100", "earlier": False}
+  monkeypatch.setattr(aot, "start", lambda: None)
+  monkeypatch.setattr(plan, "plan", lambda *a, **k: dict(report))
+  monkeypatch.setattr(plan, "format_report", lambda r: f"the report: fits={r['fits']}")
+  path = tmp_path / "plan.json"
+  path.write_text(json.dumps({**report, "earlier": True}))
+  earlier = path.read_bytes()
+  with monkeypatch.context() as m:
+    Faults(m).full(tmp_path, ops=("fsync",))
+    code = plan.main(["--config", EXPERIMENT, "--json", str(path)])
+  captured = capsys.readouterr()
+  assert code == errors.EXIT_STORAGE and captured.out == "the report: fits=True\n", captured
+  _one_line(captured.err, f"cannot write the report {path}")
+  assert path.read_bytes() == earlier
+  assert plan.main(["--config", EXPERIMENT, "--json", str(path)]) == 0   # the disk freed
+  assert json.loads(path.read_text())["earlier"] is False

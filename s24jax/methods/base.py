@@ -250,8 +250,8 @@ def flip_rates_between(new: dict[tuple[str, ...], jax.Array],
     rate = masks.flip_rate(m, old[path])
     out[f"{name}/{state_lib.layer_name(path)}"] = rate
     changed, total = changed + rate * m.size, total + m.size
-  if total:
-    out[name] = changed / total
+  if total:   # a float: a 7B model's mask count (4.3e9) overflows the int32 a jit takes it as
+    out[name] = changed / float(total)
   return out
 
 

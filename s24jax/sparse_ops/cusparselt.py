@@ -152,9 +152,11 @@ def _operand_types(kind: str, opts: GemmOptions, dtype):
 
 
 def _gemm(kind: str, t: int, n: int, k: int, a_dtype) -> cusparselt.Gemm:
+  """The library's GEMM `kind` of a layer W~ (n, k) at t tokens, as the op runs it."""
+  if kind == "forward":
+    return fwd_gemm(t, n, k)
   tn = _k_major_only(a_dtype)
-  return {"forward": lambda: fwd_gemm(t, n, k), "dgrad": lambda: dgrad_gemm(t, n, k, tn),
-          "wgrad": lambda: wgrad_gemm(t, n, k, tn)}[kind]()
+  return dgrad_gemm(t, n, k, tn) if kind == "dgrad" else wgrad_gemm(t, n, k, tn)
 
 
 @functools.cache

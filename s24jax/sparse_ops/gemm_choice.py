@@ -163,8 +163,9 @@ def choose(value: str, table: str, key: gemm_times.Key, *, compress_share: float
                       compress_share)
       _once("unmeasured", logging.warning,
             "sparsity.gemm_choice='measured': no time for a sparse GEMM on %s (%s %s), "
-            "and none can be measured here (no GPU of this process): the dense XLA GEMM "
-            "runs, here and for every such GEMM. Give measured times with "
+            "and none can be measured in this process (no GPU: the CPU, a compile-only GPU, "
+            "a stand-in of the library): the dense XLA GEMM runs, here and for every such "
+            "GEMM. Give measured times with "
             "sparsity.gemm_table, or force the kernel with sparsity.gemm_choice "
             "(s24jax/sparse_ops/gemm_choice.py).", key.device_kind, key.library,
             key.library_version)

@@ -36,6 +36,7 @@ from typing import Any, Callable
 from absl import logging
 import jax
 import jax.numpy as jnp
+import jaxlib
 
 # The GEMMs of a sparse layer (sparse_ops/__init__.py): y = x W~^T, dX = dY W~, dW~ = est(dY^T) x.
 KINDS = ("forward", "dgrad", "wgrad")
@@ -224,12 +225,12 @@ def target_device():
 
 
 def device_fields(dev) -> dict[str, str]:
+  """The device's key fields: its kind and compute capability ('none' off a GPU)."""
   cc = getattr(dev, "compute_capability", None) if dev.platform == "gpu" else None
   return {"device_kind": str(dev.device_kind), "compute_capability": str(cc or "none")}
 
 
 def versions() -> dict[str, str]:
-  import jaxlib   # pylint: disable=g-import-not-at-top
   return {"jax": jax.__version__, "jaxlib": jaxlib.__version__}
 
 

@@ -65,11 +65,18 @@ def step_config(spec: str, backend: str, overrides=(), micro: int | None = None)
   return config
 
 
+# Sources that do not change a compiled step (the census and the model themselves).
+NOT_IN_STEP = ("s24jax/hlo_text.py", "s24jax/step_census.py", "s24jax/roofline.py",
+               "s24jax/step_model/")
+
+
 def _source_digest() -> str:
   """A digest of the library's source (s24jax/, kernels/): a cached HLO is this code's."""
   h = hashlib.sha256()
   for folder in ("s24jax", "kernels"):
     for p in sorted((REPO / folder).rglob("*.py")):
+      if str(p.relative_to(REPO)).startswith(NOT_IN_STEP):
+        continue
       h.update(str(p.relative_to(REPO)).encode())
       h.update(p.read_bytes())
   return h.hexdigest()[:16]
@@ -85,6 +92,9 @@ def compile_step(config, gpu: str = "h100", cache: str | None = None) -> tuple[s
   if path is not None and path.exists():
     saved = json.loads(gzip.decompress(path.read_bytes()))
     return saved["hlo"], saved["memory"]
+  # A persistent compilation cache keys executables without their metadata: one compiled
+  # before the named scopes would come back with the op names of then.
+  jax.config.update("jax_enable_compilation_cache", False)
   planner = plan.Planner(config, gpu, 1)
   devices = planner._topologies[plan.BIG_MEMORY_FACTOR].devices   # pylint: disable=protected-access
   partitioner = planner.sharding.Partitioner(planner.sharding.make_mesh(config.mesh, devices))

@@ -59,11 +59,22 @@ def load_calibration(path=CALIBRATION) -> dict[str, dict[str, Any]]:
 
 
 def save_census(path: str, name: str, row: dict[str, Any]) -> None:
+  """Adds (or replaces) the row `name` of a census file, one kernel record per line."""
   p = pathlib.Path(path)
-  data = (json.loads(p.read_text()) if p.exists() else
-          {"format": CENSUS_FORMAT, "rows": {}})
+  data = (json.loads(p.read_text()) if p.exists() else {"format": CENSUS_FORMAT, "rows": {}})
   data["rows"][name] = row
-  destinations.write_atomic(path, json.dumps(data, indent=1))
+  destinations.write_atomic(path, dump_census(data))
+
+
+def dump_census(data: dict[str, Any]) -> str:
+  head = {k: v for k, v in data.items() if k != "rows"}
+  rows = []
+  for name, row in data["rows"].items():
+    fields = [f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in row.items() if k != "kernels"]
+    kernels = ",\n".join(f"   {json.dumps(k)}" for k in row.get("kernels", []))
+    rows.append(f" {json.dumps(name)}: {{\n" + ",\n".join(fields) +
+                f',\n  "kernels": [\n{kernels}]}}')
+  return (json.dumps(head, indent=1)[:-2] + ',\n "rows": {\n' + ",\n".join(rows) + "}}\n")
 
 
 def _jsonl(path: pathlib.Path) -> list[dict[str, Any]]:
@@ -83,7 +94,8 @@ def measured_steps(run: pathlib.Path = RUN) -> dict[tuple[str, str], list[float]
 def sparse_table(run: pathlib.Path = RUN) -> roofline.SparseTable:
   """The run's cuSPARSELt GEMM rows (gemms_run2.jsonl) as the library's M, N, K per GEMM
   (s24jax/sparse_ops/cusparselt.py: forward (N, T, K), dgrad (K, T, N), wgrad (N, K, T) for
-  W~ (N, K) at T tokens)."""
+  W~ (N, K) at T tokens). Its `dense_xla` is the bf16 product for the FP8 rows too (c9f697b's
+  gpu_report timed `x @ W~^T` in bf16 for both)."""
   gemms = []
   for row in _jsonl(run / "gemms_run2.jsonl"):
     (n, k), t = row["shape_NK"], row["tokens"]
@@ -98,7 +110,10 @@ def sparse_table(run: pathlib.Path = RUN) -> roofline.SparseTable:
 def calibration_rows(calibration: dict[str, dict[str, Any]],
                      measured: dict[tuple[str, str], list[float]]) -> list[roofline.Row]:
   rows = []
-  for (recipe, backend), times in sorted(measured.items()):
+  order = {"dense": 0, "hu2024": 1, "s_ste": 2, "xla": 0, "cusparselt": 1}
+  for (recipe, backend), times in sorted(measured.items(),
+                                         key=lambda kv: (order.get(kv[0][0], 9), kv[0][0],
+                                                         order.get(kv[0][1], 9), kv[0][1])):
     name = f"124m {recipe} {backend}"
     if name not in calibration:
       raise errors.UserError(f"{CALIBRATION.name} has no census of the measured row {name!r}")

@@ -120,7 +120,8 @@ def report(args) -> int:
   print("\n## The census of the measured steps (launches / TFLOP / GB / model ms)\n")
   print(tables.census_markdown({r.name.removeprefix("124m "): r.kernels for r in rows},
                                c, table))
-  wanted = [p for p in PREDICTIONS if not args.rows or p[0] in args.rows.split(",")]
+  wanted = [p for p in PREDICTIONS
+            if args.rows is None or p[0] in args.rows.split(",")]
   predictions = []
   if wanted:
     _start()

@@ -71,9 +71,18 @@ XLA_FFI_Error* Deallocate(XLA_FFI_DeviceMemory_Free_Args* args) {
   return nullptr;
 }
 
+// The C API's error accessor: XLA_FFI_Error_GetMessage up to API minor 3 (jaxlib 0.10),
+// XLA_FFI_Error_GetDetails (message and code) from minor 4 (jaxlib 0.11, 0.12).
+#if XLA_FFI_API_MINOR >= 4
+void GetDetails(XLA_FFI_Error_GetDetails_Args* args) {
+  args->message = args->error->message.c_str();
+  args->errc = XLA_FFI_Error_Code_INTERNAL;
+}
+#else
 void GetMessage(XLA_FFI_Error_GetMessage_Args* args) {
   args->message = args->error->message.c_str();
 }
+#endif
 void DestroyError(XLA_FFI_Error_Destroy_Args* args) { delete args->error; }
 
 std::string Json(const std::string& s) {
@@ -140,7 +149,11 @@ int main() {
   api.struct_size = XLA_FFI_Api_STRUCT_SIZE;
   api.XLA_FFI_DeviceMemory_Allocate = Allocate;
   api.XLA_FFI_DeviceMemory_Free = Deallocate;
+#if XLA_FFI_API_MINOR >= 4
+  api.XLA_FFI_Error_GetDetails = GetDetails;
+#else
   api.XLA_FFI_Error_GetMessage = GetMessage;
+#endif
   api.XLA_FFI_Error_Destroy = DestroyError;
 
   // One buffer per call, of sizes around the 16- and 256-byte boundaries and beyond.

@@ -233,10 +233,10 @@ def test_the_most_specific_row_wins(tmp_path):
     assert c.times.sparse_ms == 3.0 and not c.sparse, c
 
 
-def test_off_a_gpu_nothing_measured_is_dense_said_once(monkeypatch, caplog):
-  """'measured' without a time for the GEMM, where nothing can be measured (the CPU, here
-  with the stand-in): the dense GEMMs, exactly the 'xla' backend, no compression, and one
-  warning for the process however many GEMMs."""
+def test_nothing_measured_is_dense_said_once(monkeypatch, caplog):
+  """'measured' without a time for the GEMM, where nothing can be measured (the CPU; the
+  stand-in on any machine): the dense GEMMs, exactly the 'xla' backend, no compression, and
+  one warning for the process however many GEMMs."""
   want = _op("xla")
   seen = _spy(monkeypatch)
   with caplog.at_level(logging.INFO), cusparselt.standin():
