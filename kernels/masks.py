@@ -127,6 +127,7 @@ def _check_transposable(w: jax.Array) -> None:
           f"{tuple(w.shape)} (dimension {w.shape[axis]} is not divisible by 4).")
 
 
+@jax.named_scope("transposable_mask")   # its kernels, by name in the compiled HLO (step_census)
 def transposable_mask(w: jax.Array) -> jax.Array:
   """Bool mask that is 2:4 along both of the last two axes of w (..., R, C).
 
@@ -222,6 +223,7 @@ def mvue24_variance(x: jax.Array) -> jax.Array:
   return xf * xf * (1.0 / p - 1.0)
 
 
+@jax.named_scope("mvue")   # its kernels, by name in the compiled HLO (step_census)
 def mvue24(key: jax.Array, x: jax.Array) -> jax.Array:
   """Unbiased stochastic 2:4 estimate of x along the last axis: E[mvue24(key, x)] = x.
 

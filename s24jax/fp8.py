@@ -75,6 +75,7 @@ def scale_from_amax(amax: jax.Array, dtype) -> jax.Array:
   return jnp.where(amax > 0, jnp.minimum(scale, jnp.finfo(jnp.float32).max), 1.0)
 
 
+@jax.named_scope("fp8_quantize")   # its kernels, by name in the compiled HLO (step_census)
 def quantize(x: jax.Array, dtype, scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """(q, scale): q = x * scale saturated to +-fmax and cast (round to nearest even) to `dtype`.
 

@@ -51,7 +51,9 @@ def choices(planner, micro: int) -> list[dict[str, Any]]:
                    "tokens": tokens, "gemm": c.gemm, "sparse": c.sparse, "reason": c.reason,
                    "source": c.times.source if c.times else None,
                    "saving_ms_per_call": per_call, "calls_per_step": n_calls,
-                   "saving_ms_per_step": None if per_call is None else per_call * n_calls})
+                   "saving_ms_per_step": None if per_call is None else per_call * n_calls,
+                   # what the 2:4 kernel would save (negative: cost), chosen or not
+                   "sparse_saving_ms_per_call": c.sparse_saving_ms()})
   return rows
 
 
@@ -68,6 +70,8 @@ def format_lines(r: dict[str, Any]) -> list[str]:
     saving = ("no time found" if c["saving_ms_per_call"] is None else
               f"{c['saving_ms_per_call']:+.3f} ms/call x {c['calls_per_step']} = "
               f"{c['saving_ms_per_step']:+.2f} ms/step")
+    if not c["sparse"] and c["sparse_saving_ms_per_call"] is not None:
+      saving += f" (the 2:4 kernel: {c['sparse_saving_ms_per_call']:+.3f} ms/call)"
     lines.append(f"    {c['layer']} (x{c['layers']}, W~ {c['shape'][0]}x{c['shape'][1]}, "
                  f"{c['tokens']} tokens) {c['gemm']}: {kernel} ({c['reason']}): {saving}")
   known = [c["saving_ms_per_step"] for c in rows if c["saving_ms_per_step"] is not None]

@@ -19,14 +19,16 @@ included; every other op one per output element, a reduction one per input eleme
 custom call's from its shapes: GEMMs as dots, cuDNN flash attention 4*B*H*Sq*Sk*D forward
 and 2.5x that backward, halved for a causal mask; cuSPARSELt's spmm as the dense product it
 computes) and bytes (its operands and outputs, where a fused dynamic-slice reads only its
-slice and a fused in-place dynamic-update-slice writes only its update: XLA:GPU's own
-accounting), and a category (CATEGORIES) from what it is and where it comes from: the
+slice and a fused in-place dynamic-update-slice or scatter writes only its update: XLA:GPU's
+own accounting), and a category (CATEGORIES) from what it is and where it comes from: the
 custom-call target, the op names (`jit(train_step)/.../mlp/fc/...`) and the Python stack
 frames XLA keeps per instruction (the HLO text's StackFrames table: s24jax's functions by
-file and name; `SOURCES`).
+file and name; `SOURCES`). A fusion holding work of several categories counts once, in the
+first that matches (`category`: e.g. an FP8 amax fused into a gradient sum is FP8's).
 
-Pure text processing: no JAX, no compile. `s24jax.step_model` compiles the step (the
-planner's path) and prints the table; tests/test_step_census.py checks it on hand-written HLO.
+Pure text processing (s24jax/hlo_text.py parses): no JAX, no compile. `python -m
+s24jax.step_model census` compiles a step (the planner's path) and prints the table;
+tests/test_step_census.py checks the census on hand-written HLO and on compiled scans.
 """
 from __future__ import annotations
 
@@ -62,7 +64,8 @@ CATEGORIES = (DENSE_GEMM, SPARSE_GEMM, COMPRESSION, MVUE, FP8, MASK_SEARCH, METH
 # `TSRSTE.refresh.<locals>.fresh` matches `TSRSTE.refresh`). A custom_vjp's backward rule keeps
 # its caller's frames and name stack, not its own, so inside the sparse GEMMs' backward only
 # named scopes (or a jit's name, as `_gumbel` in the MVUE draw) tell the work apart:
-# `SCOPES` in s24jax/step_model.py lists the scopes the census relies on and where they go.
+# the library names them where the work is done (`@jax.named_scope` on masks.mvue24,
+# masks.transposable_mask, fp8.quantize and sparse_ops.common.fp8_scale).
 SOURCES: tuple[tuple[str, tuple[str, ...], tuple[str, ...], tuple[str, ...]], ...] = (
     (MVUE, ("mvue", "_gumbel"), ("mvue24", "_mvue24_weights", "_inclusion_prob_grouped",
                                  "_mvue_key", "mvue24_inclusion_prob"),
@@ -315,6 +318,9 @@ class _Walk:
 
   def category(self, instr: Instr, inner: list[tuple[Instr, Computation]], dots, target: str
                ) -> str:
+    """In this order: the custom-call target; a GEMM (dense unless its dot is the mask
+    search's or attention's); data movement alone; SOURCES; FP8 outputs; the optimizer;
+    other."""
     if target.startswith("cusparselt_spmm"):
       return SPARSE_GEMM
     if target.startswith("cusparselt_compress"):

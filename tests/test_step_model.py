@@ -4,6 +4,7 @@ recovering known constants from step times the model itself generated, the measu
 rows read as the library's GEMM shapes, the named scopes the census relies on, and the
 command's one-line errors (exit 2)."""
 import dataclasses
+import json
 import math
 import os
 
@@ -124,25 +125,17 @@ def test_the_runs_gemm_rows_as_the_librarys_shapes():
   assert {("dense", "xla"), ("hu2024", "cusparselt"), ("s_ste", "cusparselt")} <= set(measured)
 
 
-def test_named_scopes_mark_the_mvue_kernels_and_are_removed():
+def test_the_library_names_the_mvue_kernels():
+  """masks.mvue24 runs in its named scope, which the census reads back from compiled HLO;
+  a plain jnp function of the same shape has no such kernel."""
   from s24jax.kernels import masks   # pylint: disable=g-import-not-at-top
-  original = masks.mvue24
   x = jnp.arange(64, dtype=jnp.float32).reshape(4, 16)
-
-  def f(x):   # called through the module, as the backends do
-    return masks.mvue24(jax.random.key(0), x) * 2
-
-  def lowered():   # a new function each time: jit's cache would keep the first trace
-    return jax.jit(lambda x: f(x)).lower(x)   # pylint: disable=unnecessary-lambda
-
-  with build.named_scopes():
-    assert masks.mvue24 is not original
-    scoped = lowered()
-  assert masks.mvue24 is original
+  lowered = jax.jit(lambda x: masks.mvue24(jax.random.key(0), x) * 2).lower(x)
   # (the lowered text: a compilation cache may key executables without their metadata)
-  assert "/mvue/" in scoped.as_text(debug_info=True)
-  assert "/mvue/" not in lowered().as_text(debug_info=True)
-  assert any(k.category == sc.MVUE for k in sc.census(scoped.compile().as_text()))
+  assert "/mvue/" in lowered.as_text(debug_info=True)
+  assert any(k.category == sc.MVUE for k in sc.census(lowered.compile().as_text()))
+  plain = jax.jit(lambda x: jnp.where(x > 3, x, 0) * 2).lower(x)
+  assert not any(k.category == sc.MVUE for k in sc.census(plain.compile().as_text()))
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -157,3 +150,35 @@ def test_a_bad_command_is_one_line_and_exit_2(argv, message, capsys):
   assert cli.main(argv) == 2
   err = capsys.readouterr().err.strip()
   assert len(err.splitlines()) == 1 and message in err and err.startswith("s24jax.step_model:")
+
+
+def test_the_committed_predictions_come_from_the_committed_calibration():
+  """docs/step_model_predictions.json's constants and calibration rows are what the model
+  fits now to docs/step_model_calibration.json and the run's step times (regenerate both
+  together: docs/scaling.md), and it covers every predicted row and arm."""
+  with open(os.path.join(REPO, "docs", "step_model_predictions.json"), encoding="utf-8") as f:
+    saved = json.load(f)
+  assert "PREDICTIONS" in saved["what"] and saved["device"] == cal.RUN_DEVICE
+  c, table, rows = cli.calibrate()
+  assert math.isclose(c.flops_per_s, saved["constants"]["flops_per_s"], rel_tol=1e-3)
+  assert math.isclose(c.bytes_per_s, saved["constants"]["bytes_per_s"], rel_tol=1e-3)
+  assert abs(c.launch_s - saved["constants"]["launch_s"]) < 1e-7
+  for row, entry in zip(rows, saved["calibration"]):
+    assert entry["row"] == row.name
+    assert math.isclose(entry["measured_ms"], 1e3 * row.seconds)
+    assert math.isclose(entry["model_ms"], 1e3 * rl.step_seconds(row.kernels, c, table),
+                        rel_tol=1e-3)
+  got = {(r["name"], r["recipe"], r["backend"]) for r in saved["rows"]}
+  assert got == {(p[0], recipe, backend) for p in cli.PREDICTIONS for recipe, backend in cli.ARMS}
+
+
+def test_census_of_an_xla_dump_folder(tmp_path, capsys):
+  """`census --hlo DIR` reads the step's after-optimizations dump (XLA_FLAGS=--xla_dump_to),
+  e.g. from a GPU host: the hand-written module of tests/test_step_census.py."""
+  import test_step_census   # pylint: disable=g-import-not-at-top (tests/ is on sys.path)
+  (tmp_path / "module_0001.jit_train_step.sm_9.0_gpu_after_optimizations.txt").write_text(
+      test_step_census.HLO)
+  assert cli.main(["census", "--hlo", str(tmp_path), "--kernels", "3"]) == 0
+  out = capsys.readouterr().out
+  assert "| dense GEMM | 2 / " in out and "| sparse GEMM | 1 / " in out
+  assert cli.main(["census", "--hlo", str(tmp_path / "missing")]) == 2

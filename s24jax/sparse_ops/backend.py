@@ -12,7 +12,6 @@ from typing import Callable
 
 import jax
 
-from s24jax.sparse_ops import gemm_choice
 from s24jax.sparse_ops.options import GemmOptions
 
 # (opts, x (N, in), W~ (out, in), key | None, prepared) -> y (N, out) in x's dtype, with the
@@ -23,7 +22,7 @@ PrepareFn = Callable[..., dict]
 # (opts, W~'s shape (out, in), tokens per device, compute dtype, micro-batches per step) ->
 # the gemm_choice.Choice of each GEMM of such a layer (forward, dgrad, wgrad), as the step
 # makes them when it is traced.
-ChoicesFn = Callable[..., "list[gemm_choice.Choice]"]
+ChoicesFn = Callable[..., list]
 
 
 @dataclasses.dataclass(frozen=True)

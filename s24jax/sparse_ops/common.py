@@ -81,6 +81,7 @@ def wgrad_product(dy_t: jax.Array, x: jax.Array, opts: GemmOptions) -> jax.Array
   return matmul_f32(dy_t, x, ((1,), (0,)))                       # (out, in)
 
 
+@jax.named_scope("fp8_quantize")   # its kernels, by name in the compiled HLO (step_census)
 def fp8_scale(x: jax.Array, fmt, opts: GemmOptions) -> jax.Array:
   """FP8's per-tensor scale of x; inside shard_map from the amax of the whole tensor."""
   amax = jnp.max(jnp.abs(x)).astype(jnp.float32)

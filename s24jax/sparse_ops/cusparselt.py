@@ -188,9 +188,9 @@ def choose(kind: str, t: int, n: int, k: int, dtype, opts: GemmOptions,
   label = (f"{_WHAT[kind]}, W~ {n}x{k}, {t} tokens, "
            f"{'FP8' if opts.fp8 else jnp.dtype(dtype).name}")
   if kind == "dgrad" and not opts.transposable:
-    return gemm_choice.no_choice(kind, label, "W~ is 2:4 along `in` only (not transposable)")
+    return gemm_choice.no_choice(kind, label, "not transposable: W~ is 2:4 along `in` only")
   if kind == "wgrad" and not opts.mvue:
-    return gemm_choice.no_choice(kind, label, "dY^T is dense (sparsity.mvue off)")
+    return gemm_choice.no_choice(kind, label, "no MVUE: dY^T is dense")
   measure = None
   # Never under the stand-in: it would time jnp, not the library (CPU tests on a GPU host).
   standin = cusparselt._STANDIN   # pylint: disable=protected-access
@@ -237,11 +237,13 @@ def measure_times(kind: str, t: int, n: int, k: int, dtype,
       return cusparselt.compress(qa, gemm, b_dtype=a_dtype, d_dtype=d_dtype)
 
     _, a_scale = quantize(a, fmt, opts)
-    compressed = jax.jit(compress)(a)
-    spmm = lambda c, b: compressed_gemm(c, a_dtype, a_scale, b, gemm, opts, fmt)   # pylint: disable=unnecessary-lambda-assignment
+
+    def spmm(compressed, b):
+      return compressed_gemm(compressed, a_dtype, a_scale, b, gemm, opts, fmt)
+
     dev = jax.devices()[0]
     return gemm_times.Times(
-        sparse_ms=gemm_times.per_call_ms(spmm, compressed, b),
+        sparse_ms=gemm_times.per_call_ms(spmm, jax.jit(compress)(a), b),
         compress_ms=gemm_times.per_call_ms(compress, a),
         dense_ms=gemm_times.per_call_ms(*dense),
         source=f"measured on {dev.device_kind} at first use, {time.strftime('%Y-%m-%d')}")

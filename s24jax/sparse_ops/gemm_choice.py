@@ -88,15 +88,17 @@ class Choice:
   times: gemm_times.Times | None = None
   compress_share: float = 1.0
 
-  def saving_ms(self) -> float | None:
-    """Milliseconds per call the chosen kernel saves against the dense GEMM (negative: it
-    costs), from the times found; 0 for the dense GEMM; None where a 2:4 kernel was chosen
-    without times."""
-    if not self.sparse:
-      return 0.0
+  def sparse_saving_ms(self) -> float | None:
+    """Milliseconds per call the 2:4 kernel saves against the dense GEMM, chosen or not
+    (negative: it costs), from the times found; None without times."""
     if self.times is None:
       return None
     return self.times.dense_ms - self.times.sparse_cost_ms(self.compress_share)
+
+  def saving_ms(self) -> float | None:
+    """Milliseconds per call the chosen kernel saves against the dense GEMM (negative: it
+    costs): 0 for the dense GEMM; None where a 2:4 kernel was chosen without times."""
+    return self.sparse_saving_ms() if self.sparse else 0.0
 
   def describe(self) -> str:
     kernel = "2:4 kernel" if self.sparse else "dense XLA GEMM"

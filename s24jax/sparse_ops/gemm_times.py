@@ -30,13 +30,13 @@ import json
 import os
 import pathlib
 import threading
-import time
 from typing import Any, Callable
 
 from absl import logging
 import jax
-import jax.numpy as jnp
 import jaxlib
+
+from s24jax.kernels import timing
 
 # The GEMMs of a sparse layer (sparse_ops/__init__.py): y = x W~^T, dX = dY W~, dW~ = est(dY^T) x.
 KINDS = ("forward", "dgrad", "wgrad")
@@ -254,22 +254,8 @@ def outside_trace(fn: Callable[[], Any]) -> Any:
 def per_call_ms(fn: Callable[..., jax.Array], *args, calls: int = CALLS,
                 reps: int = REPS) -> float:
   """Milliseconds per call of fn(*args), timed as `calls` calls inside one jitted loop (the
-  median of `reps` loops, after one to compile). Each call's operands pass through an
-  optimization barrier with the previous call's result, so XLA can neither hoist the call
-  out of the loop nor drop it, and adds no work to it."""
-  out = jax.eval_shape(fn, *args)
-
-  @jax.jit
-  def loop(*args):
-    def body(_, carry):
-      _, operands = jax.lax.optimization_barrier((carry, args))
-      return fn(*operands)
-    return jax.lax.fori_loop(0, calls, body, jnp.zeros(out.shape, out.dtype))
-
-  jax.block_until_ready(loop(*args))
-  seconds = []
-  for _ in range(reps):
-    start = time.perf_counter()
-    jax.block_until_ready(loop(*args))
-    seconds.append(time.perf_counter() - start)
-  return 1e3 * sorted(seconds)[reps // 2] / calls
+  median of `reps` loops, after one to compile): kernels.timing.loop_seconds, whose calls
+  take arguments that vary from call to call, so that XLA cannot hoist the call out of the
+  loop (an optimization barrier alone does not stop it: XLA drops barriers before it hoists
+  loop-invariant work, seen in the CPU HLO)."""
+  return 1e3 * timing.loop_seconds(fn, *args, calls=calls, repeats=reps)

@@ -1,12 +1,9 @@
 """Compiling a train step for the census: the GPU report's step on one compile-only GPU, the
-planner's path (s24jax/plan.py), with the named scopes the census relies on."""
+planner's path (s24jax/plan.py)."""
 from __future__ import annotations
 
-import contextlib
-import functools
 import gzip
 import hashlib
-import importlib
 import json
 import pathlib
 
@@ -15,39 +12,6 @@ from s24jax import errors
 from s24jax.kernels import aot
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-# (module, function, scope): the jax.named_scope each function runs in while the census
-# traces the step. Inside a custom_vjp's backward rule (the sparse GEMMs') XLA keeps the
-# caller's stack frames and name stack, not the rule's, so without these the census cannot
-# tell the MVUE estimate, FP8 quantization and the transposable-mask search from the rest
-# (s24jax/step_census.py, SOURCES). The library could carry them itself, at these functions.
-SCOPES = (("s24jax.kernels.masks", "mvue24", "mvue"),
-          ("s24jax.fp8", "quantize", "fp8_quantize"),
-          ("s24jax.sparse_ops.common", "fp8_scale", "fp8_quantize"),
-          ("s24jax.kernels.masks", "transposable_mask", "transposable_mask"))
-
-
-@contextlib.contextmanager
-def named_scopes(scopes=SCOPES):
-  """Each function of `scopes` wrapped in its jax.named_scope (module attributes: every
-  caller looks them up at call time), restored on exit."""
-  import jax   # pylint: disable=g-import-not-at-top (after aot.start)
-  saved = []
-  try:
-    for module_name, name, scope in scopes:
-      module = importlib.import_module(module_name)
-      fn = getattr(module, name, None)
-      if fn is None:
-        continue
-
-      def scoped(*args, _fn=fn, _scope=scope, **kwargs):
-        with jax.named_scope(_scope):
-          return _fn(*args, **kwargs)
-      saved.append((module, name, fn))
-      setattr(module, name, functools.wraps(fn)(scoped))
-    yield
-  finally:
-    for module, name, fn in reversed(saved):
-      setattr(module, name, fn)
 
 
 def step_config(spec: str, backend: str, overrides=(), micro: int | None = None):
@@ -103,7 +67,7 @@ def compile_step(config, gpu: str = "h100", cache: str | None = None) -> tuple[s
                        abstract, partitioner.state_shardings(abstract))
   tokens = jax.ShapeDtypeStruct((planner.global_batch, config.model.seq_len), jax.numpy.int32,
                                 sharding=partitioner.batch)
-  with jax.default_device(devices[0]), named_scopes():
+  with jax.default_device(devices[0]):
     lowered = planner.train.train_step.trace(
         state, {"inputs": tokens, "targets": tokens}, model=planner.model,
         tx=planner.tx_fn(abstract.params, abstract.sparsity), accum_steps=1,

@@ -35,6 +35,11 @@ from tiny import tiny_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+# The cuSPARSELt calls themselves, on every GEMM the backend can run sparse: the run config's
+# default, sparsity.gemm_choice='measured', runs the dense GEMMs where nothing was measured
+# (off a GPU, always), which would leave these tests comparing 'xla' with itself.
+SPARSE = {"sparsity.gemm_choice": "sparse"}
+
 
 def _devices(n: int) -> str:
   """XLA_FLAGS for n CPU devices, keeping the suite's (conftest.py)."""
@@ -168,7 +173,7 @@ def test_tiny_training_equals_the_xla_backend(method, overrides, data_cache):
   def losses(backend):
     cfg = tiny_config(method, steps=3, workdir_cache=data_cache,
                       overrides={"batch_size": 8, "sparsity.backend": backend,
-                                 "model.dtype": "bfloat16", **overrides})
+                                 "model.dtype": "bfloat16", **SPARSE, **overrides})
     spec = RunSpec.build(cfg)
     model_cfg, tx_fn = spec.model_cfg, spec.tx
     model = model_lib.GPT2(model_cfg)
@@ -201,7 +206,8 @@ assert jax.device_count() == 4
 def losses(backend, method, kw):
   cfg = tiny_config(method, steps=3, workdir_cache={cache!r},
                     overrides={{"batch_size": 8, "sparsity.backend": backend,
-                               "model.dtype": "bfloat16", **kw}})
+                               "model.dtype": "bfloat16", "sparsity.gemm_choice": "sparse",
+                               **kw}})
   part = sharding.Partitioner(sharding.make_mesh(cfg.mesh))
   spec = RunSpec.build(cfg)
   model_cfg, tx_fn = spec.model_cfg, spec.tx
@@ -282,7 +288,8 @@ def test_deviceless_h100_compile_has_the_custom_calls(tmp_path, monkeypatch):
   out = tmp_path / "plan.json"
   run = subprocess.run([sys.executable, "-m", "s24jax.plan", "--config",
                         "experiments/gpt2_t_sr_ste_df.py:tiny", "--gpu", "h100", "--devices", "8",
-                        "--set", "sparsity.backend=cusparselt", "--no-search", "--json", str(out)],
+                        "--set", "sparsity.backend=cusparselt", "--set",
+                        "sparsity.gemm_choice=sparse", "--no-search", "--json", str(out)],
                        cwd=REPO, capture_output=True, text=True, timeout=900)
   assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
   import json   # pylint: disable=g-import-not-at-top
@@ -308,7 +315,8 @@ def test_deviceless_h100_fp8_compile_keeps_the_library_rules(tmp_path, monkeypat
   out = tmp_path / "plan.json"
   run = subprocess.run([sys.executable, "-m", "s24jax.plan", "--config",
                         "experiments/gpt2_s_ste.py:tiny", "--gpu", "h100", "--set",
-                        "sparsity.backend=cusparselt", "--no-search", "--json", str(out)],
+                        "sparsity.backend=cusparselt", "--set", "sparsity.gemm_choice=sparse",
+                        "--no-search", "--json", str(out)],
                        cwd=REPO, capture_output=True, text=True, timeout=900)
   assert run.returncode in (0, 1), run.stdout[-3000:] + run.stderr[-3000:]
   import json   # pylint: disable=g-import-not-at-top
@@ -337,7 +345,7 @@ def test_weights_are_compressed_once_per_step_not_per_micro_batch(data_cache):
   estimate of each micro-batch's dY (1 per layer)."""
   cfg = tiny_config("t_sr_ste", steps=1, workdir_cache=data_cache,
                     overrides={"batch_size": 8, "sparsity.backend": "cusparselt",
-                               "sparsity.mvue": True, "model.dtype": "bfloat16"})
+                               "sparsity.mvue": True, "model.dtype": "bfloat16", **SPARSE})
   spec = RunSpec.build(cfg)
   model_cfg, tx_fn = spec.model_cfg, spec.tx
   model = model_lib.GPT2(model_cfg)
