@@ -182,7 +182,7 @@ def test_scanned_model_slices_the_prepared_collection_per_layer():
   differs from the model without one."""
   calls = []
 
-  def prepare(w, *, tokens, dtype, opts):
+  def prepare(w, *, tokens, dtype, opts, micro_batches):
     del tokens, dtype, opts
     return {"w2": 2.0 * w}
 

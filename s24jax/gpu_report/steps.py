@@ -76,7 +76,8 @@ def step_seconds(path: str, variant: str, backend: str, steps: int, overrides=()
   batch = {"inputs": tokens, "targets": tokens}
   # A step the loop does not log (most steps; the log step adds the flip-rate and mask
   # metrics): its StepInfo is traced, so the logged branch is compiled but not run.
-  info = StepInfo(step=state.step, log=jnp.asarray(False))
+  # (its own step array: the state's is donated to the step)
+  info = StepInfo(step=jnp.array(state.step), log=jnp.asarray(False))
   start = time.perf_counter()
   compiled = train.train_step.lower(state, batch, info, model=model, tx=tx).compile()
   compile_s = time.perf_counter() - start

@@ -153,13 +153,26 @@ def choose(value: str, table: str, key: gemm_times.Key, *, compress_share: float
     choice = Choice(key.gemm, force, f"sparsity.gemm_choice={value!r}", label, times,
                     compress_share)
   else:
+    failed = None
     if times is None and measure is not None:
-      times = _FOUND[(table, key)] = measure()
-      gemm_times.store(key, times)
+      try:
+        times = measure()
+      except Exception as e:  # pylint: disable=broad-except
+        # A kernel that cannot even be timed must not stop the run: it runs dense, said once.
+        failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        _once(("failed", key), logging.warning,
+              "sparsity.gemm_choice='measured': timing the 2:4 kernel of %s failed (%s); the "
+              "dense XLA GEMM runs for it.", key, failed)
+      else:
+        _FOUND[(table, key)] = times
+        gemm_times.store(key, times)
     if times is not None:
       faster = times.sparse_cost_ms(compress_share) < times.dense_ms
       choice = Choice(key.gemm, faster, "measured " + ("faster" if faster else "slower"),
                       label, times, compress_share)
+    elif failed is not None:
+      choice = Choice(key.gemm, False, f"its measurement failed ({failed})", label, None,
+                      compress_share)
     else:
       choice = Choice(key.gemm, False, "nothing measured for it here", label, None,
                       compress_share)

@@ -363,3 +363,20 @@ def test_prepare_compresses_only_for_a_chosen_gemm(tmp_path):
   got = {"/".join(k[:-1]): [n for p, n in ((q[:-1], q[-1]) for q in flat) if p == k[:-1]]
          for k in flat}
   assert got == {"h_0/mlp/fc": ["fwd"], "h_0/mlp/proj": ["dx"]}, got
+
+
+def test_a_failed_measurement_runs_dense_and_says_why(caplog):
+  """A 2:4 kernel that cannot even be timed (a library error on the device) never stops the
+  run: its GEMM runs dense, with the error in one warning; nothing is cached for it."""
+  opts = GemmOptions(mvue=True, transposable=True, backend="cusparselt", gemm_choice="measured")
+  key = cslt_backend.gemm_key("wgrad", TOKENS, OUT, IN, jnp.bfloat16, opts)
+
+  def measure():
+    raise RuntimeError("INTERNAL: cuSPARSELt: no algorithm\nsecond line")
+
+  with caplog.at_level(logging.WARNING):
+    choice = gemm_choice.choose("measured", "", key, compress_share=1.0, measure=measure)
+  assert not choice.sparse and "RuntimeError: INTERNAL: cuSPARSELt: no algorithm" in choice.reason
+  [warning] = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
+  assert "dense XLA GEMM runs" in warning and "second line" not in warning
+  assert gemm_times.find_times("", key) is None
