@@ -29,9 +29,13 @@ def _work(x, w, rounds):
 
 @pytest.fixture(scope="module")
 def operands():
+  """On the CPU on every host (committed there, so the timed programs run there): the tests
+  check the measurement, whose injected work must dwarf the loop's own per-call cost; on a
+  GPU a (512, 512) round is a few microseconds, the size of a kernel launch."""
   kx, kw = jax.random.split(jax.random.key(0))
-  return (jax.random.normal(kx, (512, 512), jnp.float32),
-          jax.random.normal(kw, (512, 512), jnp.float32) / 23)
+  cpu = jax.devices("cpu")[0]
+  return (jax.device_put(jax.random.normal(kx, (512, 512), jnp.float32), cpu),
+          jax.device_put(jax.random.normal(kw, (512, 512), jnp.float32) / 23, cpu))
 
 
 def test_an_injected_cost_is_measured_as_the_work_injected(operands):
