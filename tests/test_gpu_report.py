@@ -25,6 +25,8 @@ from s24jax.gpu_report import cli
 from s24jax.gpu_report import rows
 from s24jax.gpu_report import steps
 
+import faults
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU = dict(os.environ, JAX_PLATFORMS="cpu")
 
@@ -182,3 +184,32 @@ def test_the_plugin_writes_each_test_as_it_ends(tmp_path):
       "test_passes": "passed", "test_fails": "failed", "test_skipped": "skipped"}
   assert got["test_fails"]["error"].startswith("AssertionError: lists differ"), got
   assert got["test_skipped"]["reason"] == "not here", got
+
+
+@pytest.mark.parametrize("case", ["readonly", "full", "foreign_md", "foreign_folder",
+                                  "file_as_out"])
+def test_where_it_writes_is_checked_before_anything_runs(case, tmp_path, capsys, monkeypatch):
+  """The report replaces its own earlier files only: a read-only or full folder, a file of
+  another kind under the report's name, or a file where the folder should be is one line and
+  exit 2, before any section runs, and every file is as it was."""
+  out = tmp_path / "out"
+  out.mkdir()
+  (out / "notes.txt").write_text("mine")
+  if case == "foreign_md":
+    (out / "gpu_report_latest.md").write_text("# my own notes\n")
+  if case == "foreign_folder":
+    (out / "gpu_report_latest").mkdir()
+    (out / "gpu_report_latest" / "data.bin").write_bytes(b"\0" * 8)
+  if case == "file_as_out":
+    out = tmp_path / "notes_file"
+    out.write_text("a file")
+  before = faults.snapshot(tmp_path)
+  with monkeypatch.context() as m:
+    if case in ("readonly", "full"):
+      getattr(faults.Faults(m), case)(str(out))
+    m.setattr(cli, "run", lambda *a, **k: pytest.fail("a section ran"))
+    code = cli.main(["--smoke", "--out", str(out), "--budget", "30"])
+  err = capsys.readouterr().err
+  assert code == errors.EXIT_USER, err
+  assert err.count("\n") == 1 and "Traceback" not in err and str(out) in err, err
+  assert faults.snapshot(tmp_path) == before

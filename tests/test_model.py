@@ -16,6 +16,7 @@ from s24jax import sparse_linear
 from s24jax import sparse_ops
 from s24jax.model import GPT2
 
+import gpu_numerics
 from tiny import tiny_config
 
 
@@ -89,6 +90,8 @@ def test_unknown_activation_lists_valid():
 # ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.skipif(gpu_numerics.enabled(), reason="S24JAX_TEST_GPU_NUMERICS replaces the "
+                    "platform rule this test checks ('auto' is bfloat16 there)")
 def test_default_dtype_is_auto_and_float32_on_the_cpu():
   assert model_lib.ModelConfig().dtype == "auto"
   assert config_lib.base_config().model.dtype == "auto"      # the config block agrees

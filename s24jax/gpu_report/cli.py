@@ -17,6 +17,7 @@ import signal
 import sys
 import time
 
+from s24jax import destinations
 from s24jax import errors
 from s24jax.gpu_report import children
 from s24jax.gpu_report import markdown
@@ -27,6 +28,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 EXIT_NO_GPU = errors.EXIT_USER
 DEFAULT_BUDGET = 420.0     # seconds: a GPU host lent for 10 minutes, less ~1 minute of set-up
 DEFAULT_NAME = "gpu_report_latest"
+# In the report's folder of logs: the folder is the report's, which a new report replaces.
+LOGS_MARK = ".s24jax_gpu_report"
 RESERVE = 8.0              # seconds kept at the end: ending a child, the last markdown
 
 
@@ -86,6 +89,11 @@ def main(argv=None) -> int:
           f"{', '.join(sections_lib.BY_NAME)}", file=sys.stderr)
     return errors.EXIT_USER
   names = tuple(s.name for s in sections_lib.SECTIONS if s.name in names)
+  try:
+    check_out(args.out, args.name)
+  except destinations.DestinationError as e:
+    print(f"s24jax.gpu_report: {e}", file=sys.stderr)
+    return e.exit_code
   start = time.time()
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")   # share the GPU
   import jax  # pylint: disable=g-import-not-at-top  (after the allocator setting)
@@ -97,6 +105,31 @@ def main(argv=None) -> int:
   return run(args, names, start, shlex.join(["python", "-m", "s24jax.gpu_report", *argv]))
 
 
+def _a_report(path: str) -> bool:
+  """Whether `path` is what this command wrote: a JSONL whose first row is the report's
+  start row, or a markdown beginning with its title."""
+  try:
+    with open(path, encoding="utf-8") as f:
+      first = f.readline()
+  except (OSError, UnicodeDecodeError):
+    return False
+  return first.startswith(markdown.TITLE) or first.startswith('{"section": "report"')
+
+
+def check_out(out: str, name: str) -> None:
+  """Before anything runs: the report's folder writable, and what the report replaces (its
+  .jsonl, .md and folder of logs from an earlier run) its own; anything else of that name is
+  left as it is and refused (DestinationError: one line, exit 2)."""
+  jsonl, md, logs = (os.path.join(out, name + ext) for ext in (".jsonl", ".md", ""))
+  for path, what in ((jsonl, "a GPU report's rows"), (md, "a GPU report")):
+    destinations.check_file(path, what=what, flag="--out/--name", replaces=_a_report)
+  if os.path.lexists(logs) and not (os.path.isdir(logs) and
+                                    os.path.exists(os.path.join(logs, LOGS_MARK))):
+    raise destinations.DestinationError(
+        f"--out/--name {logs} exists and is not a GPU report's folder of logs: it is left as "
+        "it is; choose another --out or --name (nothing was written)")
+
+
 def run(args, names: tuple[str, ...], start: float, command: str) -> int:
   os.makedirs(args.out, exist_ok=True)
   jsonl = os.path.join(args.out, args.name + ".jsonl")
@@ -105,8 +138,9 @@ def run(args, names: tuple[str, ...], start: float, command: str) -> int:
   for old in (jsonl, md):          # a new report replaces the last one
     if os.path.exists(old):
       os.remove(old)
-  shutil.rmtree(files, ignore_errors=True)
+  shutil.rmtree(files, ignore_errors=True)     # an earlier report's logs (check_out)
   os.makedirs(files)
+  open(os.path.join(files, LOGS_MARK), "w", encoding="utf-8").close()
   os.environ[rows.ENV_T0] = repr(start)
   env = dict(os.environ, **{rows.ENV_JSONL: jsonl, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
   if args.smoke:

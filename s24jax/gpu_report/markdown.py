@@ -14,6 +14,8 @@ ENV_FIELDS = ("device", "device_count", "compute_capability", "nvidia_smi", "cud
 GEMM_COLUMNS = ("sparse", "sparse+compress", "dense_xla", "torch_sparse",
                 "torch_sparse+compress")
 
+TITLE = "# GPU report (`python -m s24jax.gpu_report`)"
+
 
 def _fmt(v: Any, spec: str = ".3f") -> str:
   if v is None:
@@ -109,7 +111,7 @@ def render(rows: list[dict]) -> str:
   report = by_section.get("report", [])
   start = next((r for r in report if r.get("row") == "start"), {})
   end = next((r for r in report if r.get("row") == "end"), None)
-  lines = ["# GPU report (`python -m s24jax.gpu_report`)", "",
+  lines = [TITLE, "",
            f"Command: `{start.get('command', '?')}`; budget {start.get('budget', '?')} s.  ",
            (f"Ended after {_fmt(end.get('t'), '.0f')} s: {end.get('reason', '')}." if end
             else "Not ended: this is what the record held when the markdown was written."),

@@ -24,6 +24,10 @@ from s24jax.methods import s_ste
 
 from method_helpers import fresh_model_state, fwd_bwd, rand, random_batch
 
+# float32 math against float32 / float64 references: full float32 dots on every platform
+# (a GPU's default is TF32), see conftest.f32_dots.
+pytestmark = pytest.mark.usefixtures("f32_dots")
+
 
 def _hard(w):
   """The STE method's hard-threshold 2:4 projection (what the soft threshold is compared to)."""

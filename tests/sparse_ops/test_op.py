@@ -30,6 +30,10 @@ from tiny import tiny_config
 
 from ops_helpers import normal
 
+# float32 math against float32 / float64 references: full float32 dots on every platform
+# (a GPU's default is TF32), see conftest.f32_dots.
+pytestmark = pytest.mark.usefixtures("f32_dots")
+
 HI = jax.lax.Precision.HIGHEST
 MVUE = GemmOptions(mvue=True)
 
