@@ -428,6 +428,15 @@ def on_gpu() -> bool:
   return jax.default_backend() == "gpu"
 
 
+def target_device() -> jax.Device:
+  """The device a computation is built for: the default device where one is set (`with
+  jax.default_device(...)`, or a compile-only GPU in a deviceless compile: kernels/aot.py),
+  else jax's first. (jax.default_backend() says only what jax's first device is: a step put on
+  the CPU of a GPU host is still built for the CPU.)"""
+  dev = jax.config.jax_default_device or jax.devices()[0]
+  return jax.devices(dev)[0] if not isinstance(dev, jax.Device) else dev
+
+
 def interpret_default() -> bool:
   """Whether a caller that does not choose should run the kernels in Pallas
   interpret mode: yes unless jax's default backend is a GPU (on CPU the

@@ -117,15 +117,22 @@ def tcgen05_metadata(meta: jax.Array, k: int, dtype=jnp.bfloat16) -> jax.Array:
 # Where it may run
 
 
+def _compute_capability(dev) -> str | None:
+  return getattr(dev, "compute_capability", None) if dev.platform == "gpu" else None
+
+
+def targets_blackwell() -> bool:
+  """Whether the target device is a Blackwell GPU (compute capability 10.x): the default
+  device, which `s24jax.kernels.aot` sets to a compile-only B200 for a deviceless compile,
+  else jax's first device."""
+  return str(_compute_capability(c.target_device())).startswith("10.")
+
+
 def check_device() -> None:
-  """Raises NotBlackwellError unless the target device is a Blackwell GPU (compute
-  capability 10.x): the default device, which `s24jax.kernels.aot` sets to a compile-only B200 for a
-  deviceless compile, else jax's first device."""
-  dev = jax.config.jax_default_device or jax.devices()[0]
-  if not isinstance(dev, jax.Device):   # a platform name
-    dev = jax.devices(dev)[0]
-  cc = getattr(dev, "compute_capability", None) if dev.platform == "gpu" else None
-  if cc is None or not str(cc).startswith("10."):
+  """Raises NotBlackwellError unless `targets_blackwell()`."""
+  if not targets_blackwell():
+    dev = c.target_device()
+    cc = _compute_capability(dev)
     where = (f"a {dev.device_kind} (compute capability {cc})" if dev.platform == "gpu"
              else f"jax platform {dev.platform!r}")
     raise NotBlackwellError(

@@ -203,3 +203,24 @@ def ffi_attributes(attrs: str) -> dict[str, str]:
 
 def is_fp8(type_text: str) -> bool:
   return any(t in FP8_TYPES for t, _ in arrays(type_text))
+
+
+_STACK_TABLES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
+
+
+def canonical(text: str) -> str:
+  """The program of an optimized HLO module's text without what names and source positions
+  change: metadata, stack frames and their tables, instruction and parameter numbering. Two
+  compiles of the same program give the same text, so equal texts mean the same kernels
+  (what `python -m s24jax.gpu_report` checks per train step, and tests/sparse_ops/
+  test_gemm_choice.py of a step whose GEMMs all run dense)."""
+  text = re.sub(r", metadata=\{[^}]*\}", "", text)
+  text = re.sub(r",? ?stack_frame_id=\d+", "", text)
+  lines = []
+  for line in text.splitlines():
+    if line.startswith(_STACK_TABLES) or re.match(r"^\s*\d+ ", line):   # a table and its rows
+      continue
+    lines.append(line)
+  text = re.sub(r"\b(param_\d+)\.\d+", r"\1", "\n".join(lines))
+  names: dict[str, str] = {}
+  return NAME.sub(lambda m: names.setdefault(m.group(1), f"%v{len(names)}"), text)

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from s24jax import act_sparsity
 from s24jax import attention_masks
 from s24jax import losses
+from s24jax.kernels import _common
 from s24jax.sparse_linear import LINEAR_OUTPUT, SparseLinear
 
 # Rematerialisation of each block's activations in the backward pass (jax.checkpoint):
@@ -53,13 +54,14 @@ def attention_implementation(cfg: Any, q: jax.Array) -> str:
   """'cudnn' or 'xla' for jax.nn.dot_product_attention on q (B, T, N, hd). 'auto' is cuDNN's
   flash attention on a GPU for causal attention that cuDNN takes (CUDNN_DTYPES, the head
   dim), else XLA's: a float32 model or an odd head width on a GPU runs, it is not refused.
-  While compiling devicelessly for a GPU the backend is the CPU: the planner sets 'cudnn'."""
+  The GPU is the device the step is built for (`_common.target_device`): a step put on the CPU
+  of a GPU host runs XLA's, a deviceless compile for a GPU (kernels/aot.py) cuDNN's."""
   if cfg.attention_impl != "auto":
     return cfg.attention_impl
   head_dim = q.shape[-1]
   cudnn_takes = (q.dtype in CUDNN_DTYPES and head_dim % 8 == 0
                  and head_dim <= CUDNN_MAX_HEAD_DIM)
-  on_gpu = jax.default_backend() == "gpu"
+  on_gpu = _common.target_device().platform == "gpu"
   return "cudnn" if cfg.attention == "causal" and on_gpu and cudnn_takes else "xla"
 
 

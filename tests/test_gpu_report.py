@@ -63,7 +63,7 @@ def test_smoke_run_writes_every_section(tmp_path):
   assert env["platform"] == "cpu" and env["jax"] == jax.__version__
   # The pytest sections: one row per test from the plugin, and pytest's summary.
   gpu_tests = [r for r in by["gpu_tests"] if "outcome" in r]
-  assert gpu_tests and all(r["outcome"] == "skipped" and "needs a GPU" in r["reason"]
+  assert gpu_tests and all(r["outcome"] == "skipped" and "GPU" in r["reason"]   # its skip reason
                            for r in gpu_tests), gpu_tests
   quick = [r for r in by["quick_suite"] if "outcome" in r]
   assert quick and all(r["outcome"] == "passed" for r in quick), quick
@@ -84,7 +84,12 @@ def test_smoke_run_writes_every_section(tmp_path):
   step_rows = [r for r in by["steps"] if r["status"] == "ok"]
   assert {r["backend"] for r in step_rows} == {"xla", "cusparselt"}, by["steps"]
   assert all(r["step_ms"] > 0 and math.isfinite(r["final_loss"]) for r in step_rows)
-  assert md.count("| tiny (1) | hu2024 |") == 2, md
+  for r in step_rows:    # the median of its rounds; a program digest per row
+    assert len(r["step_ms_rounds"]) == steps.ROUNDS, r
+    assert r["step_ms"] == pytest.approx(sorted(r["step_ms_rounds"])[steps.ROUNDS // 2], rel=1e-3)
+  xla_row, forward_row = step_rows    # the forward on the stand-in: another program
+  assert len(xla_row["program"]) == 12 and forward_row["program"] != xla_row["program"]
+  assert md.count("| tiny (1) | hu2024 |") == 2 and "(= xla)" not in md, md
   assert record[-1]["row"] == "end" and "every section" in record[-1]["reason"]
 
 
@@ -213,3 +218,21 @@ def test_where_it_writes_is_checked_before_anything_runs(case, tmp_path, capsys,
   assert code == errors.EXIT_USER, err
   assert err.count("\n") == 1 and "Traceback" not in err and str(out) in err, err
   assert faults.snapshot(tmp_path) == before
+
+
+def test_a_step_row_with_the_xla_rows_program_is_marked():
+  """The markdown marks a step row whose program is its recipe's 'xla' program (the same
+  kernels: its time differs by noise only), and only that one."""
+  from s24jax.gpu_report import markdown   # pylint: disable=g-import-not-at-top
+  base = dict(section="steps", status="ok", variant="124m", layers=12, recipe="hu2024",
+              micro_batch=64, tokens_per_sec=1.0, compiled_gib_per_device=1.0, compile_s=1.0)
+  table = "\n".join(markdown._steps([   # pylint: disable=protected-access
+      dict(base, backend="xla", step_ms=259.1, step_ms_rounds=[259.1, 258.0, 262.0],
+           program="aaa"),
+      dict(base, backend="cusparselt", step_ms=268.8, program="aaa"),
+      dict(base, backend="cusparselt", gemm_choice="forward", step_ms=271.8, program="bbb"),
+      dict(base, recipe="dense", backend="cusparselt", step_ms=270.0, program="aaa")]))
+  rows = table.splitlines()[2:]
+  assert "259.1 (258.0-262.0)" in rows[0] and rows[0].endswith("| aaa |"), rows
+  assert rows[1].endswith("| aaa (= xla) |"), rows
+  assert rows[2].endswith("| bbb |") and rows[3].endswith("| aaa |"), rows  # no xla row of its own

@@ -215,6 +215,7 @@ def test_scan_compiled_for_the_cpu():
   """The scanned layers' dots: `layers` launches of 2*m*k*k FLOPs each."""
   layers, m, k = 3, 32, 16
   f, x, ws = _scan_of_matmuls(layers, m, k)
+  x, ws = jax.device_put((x, ws), jax.devices("cpu")[0])   # XLA:CPU's dots on a GPU host too
   ks = sc.census(jax.jit(f).lower(x, ws).compile().as_text())
   gemms = [g for g in ks if g.category == sc.DENSE_GEMM]
   assert sum(g.count for g in gemms) == layers

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import _common
 from . import library
 from . import rules
 
@@ -108,9 +109,7 @@ def check_device(a_dtype=jnp.bfloat16) -> None:
   first."""
   if _STANDIN:
     return
-  dev = jax.config.jax_default_device or jax.devices()[0]
-  if not isinstance(dev, jax.Device):   # a platform name
-    dev = jax.devices(dev)[0]
+  dev = _common.target_device()
   cc = getattr(dev, "compute_capability", None) if dev.platform == "gpu" else None
   try:
     major_minor = tuple(int(p) for p in str(cc).split(".")[:2])

@@ -90,13 +90,22 @@ def _steps(rows: list[dict]) -> list[str]:
   ok = [r for r in rows if r.get("status") == "ok" and "step_ms" in r]
   if not ok:
     return []
-  lines = ["| variant (layers) | recipe | backend | gemm_choice | micro-batch | step ms | "
-           "tokens/s | compiled GiB/device | compile s |", "|---|---|---|---|---|---|---|---|---|"]
+  # The 'xla' row's program per (variant, recipe): a row with the same program runs the same
+  # kernels (steps.py), so its time differs from that row's by noise only.
+  xla = {(r["variant"], r["recipe"]): r.get("program") for r in ok if r["backend"] == "xla"}
+  lines = ["| variant (layers) | recipe | backend | gemm_choice | micro-batch | step ms "
+           "(rounds) | tokens/s | compiled GiB/device | compile s | program |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
   for r in ok:
+    rounds = r.get("step_ms_rounds") or []
+    spread = f" ({min(rounds):.1f}-{max(rounds):.1f})" if len(rounds) > 1 else ""
+    program = r.get("program") or "-"
+    if r["backend"] != "xla" and program != "-" and xla.get((r["variant"], r["recipe"])) == program:
+      program += " (= xla)"
     lines.append(f"| {r['variant']} ({r['layers']}) | {r['recipe']} | {r['backend']} | "
                  f"{r.get('gemm_choice') or 'default'} | {r['micro_batch']} | "
-                 f"{r['step_ms']:.1f} | {r['tokens_per_sec']:.0f} | "
-                 f"{r['compiled_gib_per_device']:.2f} | {r['compile_s']:.1f} |")
+                 f"{r['step_ms']:.1f}{spread} | {r['tokens_per_sec']:.0f} | "
+                 f"{r['compiled_gib_per_device']:.2f} | {r['compile_s']:.1f} | {program} |")
   return lines + [""]
 
 

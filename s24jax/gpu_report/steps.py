@@ -2,8 +2,13 @@
 'cusparselt', and the step's anatomy on 'cusparselt' (which of its GEMMs run on 2:4 kernels).
 
 One device, one micro-batch per step (the config's micro-batch, grad_accum_steps=1, bf16), on
-random tokens: XLA's compiled memory, then 2 warm-up steps and `steps` steps dispatched back
-to back (the host queues them; one wait at the end), whose mean is the step time. The
+random tokens: XLA's compiled memory, then 2 warm-up steps and ROUNDS rounds of `steps` steps
+dispatched back to back (the host queues them; one wait per round); the step time is the
+median round's mean, and the rounds are recorded (their spread: the timing's noise). Each row
+also records its `program`: a digest of the optimized HLO without names and source positions
+(hlo_text.canonical): rows with the same program run the same kernels, so a difference in
+their times is noise (on the H200, 2026-11-27, a 'cusparselt' step whose GEMMs were all
+measured slower, the same program as 'xla', timed 3.7 % apart in single rounds). The
 anatomy rows set `sparsity.gemm_choice` (s24jax/sparse_ops/gemm_choice.py) to 'forward',
 'forward+dgrad', 'forward+dgrad+wgrad' (cumulative: each difference is one GEMM's cost) and
 'dense' (the backend's layout and checks, no 2:4 kernel); the plain 'cusparselt' row keeps
@@ -17,6 +22,7 @@ anatomy (on the H100, 2026-11-27, 'cusparselt' was slower: 425 ms against 294 ms
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import time
 
@@ -25,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from s24jax import config_files
+from s24jax import hlo_text
 from s24jax import model as model_lib
 from s24jax import run_spec
 from s24jax import train
@@ -56,6 +63,7 @@ ROWS = (("124m", "hu2024", "xla", None), ("124m", "hu2024", "cusparselt", None),
 SMOKE_ROWS = (("tiny", "hu2024", "xla", None), ("tiny", "hu2024", "cusparselt", "forward"))
 # Seconds a row takes before its first measurement (compile and warm-up), from the H100 run of
 # 2026-11-27 (124m: 14-23 s a row with 10 timed steps); the section then uses what it saw.
+ROUNDS = 3
 ESTIMATE = {"124m": 25.0, "350m": 45.0, "1558m/2": 30.0, "tiny": 20.0}
 
 
@@ -84,19 +92,24 @@ def step_seconds(path: str, variant: str, backend: str, steps: int, overrides=()
   memory = compiled.memory_analysis()
   total = (memory.argument_size_in_bytes + memory.output_size_in_bytes
            - memory.alias_size_in_bytes + memory.temp_size_in_bytes)
+  program = hashlib.sha256(hlo_text.canonical(compiled.as_text()).encode()).hexdigest()[:12]
   for _ in range(2):
     state, metrics = compiled(state, batch, info)
   jax.block_until_ready(metrics["loss"])
-  start = time.perf_counter()
-  for _ in range(steps):                  # queued back to back; one wait
-    state, metrics = compiled(state, batch, info)
-  jax.block_until_ready(metrics["loss"])
-  seconds = (time.perf_counter() - start) / steps
+  rounds = []
+  for _ in range(ROUNDS):
+    start = time.perf_counter()
+    for _ in range(steps):                  # queued back to back; one wait
+      state, metrics = compiled(state, batch, info)
+    jax.block_until_ready(metrics["loss"])
+    rounds.append((time.perf_counter() - start) / steps)
+  seconds = float(np.median(rounds))
   return {"micro_batch": micro, "layers": int(spec.model_cfg.num_layers),
           "d_model": int(spec.model_cfg.d_model), "step_ms": 1e3 * seconds,
+          "step_ms_rounds": [round(1e3 * r, 2) for r in rounds],
           "tokens_per_sec": micro * spec.model_cfg.seq_len / seconds,
           "compiled_gib_per_device": total / 2**30, "compile_s": compile_s,
-          "final_loss": float(metrics["loss"] / metrics["count"])}
+          "program": program, "final_loss": float(metrics["loss"] / metrics["count"])}
 
 
 def run(section: rows_lib.Section, deadline: float, smoke: bool, *, rows=None,

@@ -49,6 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from s24jax import fp8 as fp8_lib
+from s24jax.kernels import _common
 from s24jax.kernels import masks
 from s24jax.kernels.cusparselt import library
 from s24jax.kernels.cusparselt import ops as cusparselt
@@ -173,7 +174,7 @@ def gemm_key(kind: str, t: int, n: int, k: int, dtype, opts: GemmOptions) -> gem
   _, a_dtype, d_dtype = _operand_types(kind, opts, dtype)
   g = _gemm(kind, t, n, k, a_dtype)
   return gemm_times.Key(
-      **gemm_times.device_fields(gemm_times.target_device()), library="cusparselt",
+      **gemm_times.device_fields(_common.target_device()), library="cusparselt",
       library_version=_library_version(), **gemm_times.versions(), gemm=kind, m=g.m, n=g.n,
       k=g.k, layout=("T" if g.trans_a else "N") + ("T" if g.trans_b else "N"),
       d_order="row" if g.d_row_major else "col", a_type=cusparselt.dtype_name(a_dtype),
@@ -194,7 +195,7 @@ def choose(kind: str, t: int, n: int, k: int, dtype, opts: GemmOptions,
   measure = None
   # Never under the stand-in: it would time jnp, not the library (CPU tests on a GPU host).
   standin = cusparselt._STANDIN   # pylint: disable=protected-access
-  if gemm_times.can_measure(gemm_times.target_device()) and not standin:
+  if gemm_times.can_measure(_common.target_device()) and not standin:
     measure = functools.partial(measure_times, kind, t, n, k, dtype, opts)
   return gemm_choice.choose(opts.gemm_choice, opts.gemm_table,
                             gemm_key(kind, t, n, k, dtype, opts),

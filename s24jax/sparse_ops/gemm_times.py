@@ -217,13 +217,6 @@ def find_times(table: str, key: Key) -> Times | None:
 # The device, and measuring on it.
 
 
-def target_device():
-  """The device a step is built for: the default device (a compile-only GPU in a deviceless
-  compile), else jax's first."""
-  dev = jax.config.jax_default_device or jax.devices()[0]
-  return jax.devices(dev)[0] if not isinstance(dev, jax.Device) else dev
-
-
 def device_fields(dev) -> dict[str, str]:
   """The device's key fields: its kind and compute capability ('none' off a GPU)."""
   cc = getattr(dev, "compute_capability", None) if dev.platform == "gpu" else None

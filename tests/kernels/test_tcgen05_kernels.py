@@ -151,13 +151,8 @@ def test_bad_inputs_are_errors():
 # Numerics: Blackwell only (marked gpu; also skipped on other GPUs).
 
 
-def _on_blackwell():
-  d = jax.devices()[0]
-  return d.platform == "gpu" and str(getattr(d, "compute_capability", "")).startswith("10.")
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(not _on_blackwell(), reason="needs a Blackwell GPU")
+@pytest.mark.skipif(not tc.targets_blackwell(), reason="needs a Blackwell GPU")
 @pytest.mark.parametrize("m,n,k", [(256, 128, 256), (130, 70, 100), (384, 16, 512)])
 @pytest.mark.parametrize("kind", ["random", "ties"])
 def test_sparse_matmul_matches_reference(m, n, k, kind):
@@ -172,7 +167,7 @@ def test_sparse_matmul_matches_reference(m, n, k, kind):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _on_blackwell(), reason="needs a Blackwell GPU")
+@pytest.mark.skipif(not tc.targets_blackwell(), reason="needs a Blackwell GPU")
 def test_layer_gemms_match_the_xla_backend():
   """forward / data_grad / weight_grad against the dense products of the `xla` backend
   (s24jax/sparse_ops/xla.py: y = x W~^T, dX = dY W~, dW = MVUE(dY^T) x) on a transposable W~."""

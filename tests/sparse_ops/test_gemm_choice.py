@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from s24jax import hlo_text
 from s24jax import model as model_lib
 from s24jax import sparse_linear
 from s24jax import sparse_ops
@@ -188,7 +189,13 @@ def test_a_table_row_selects_its_gemm_and_counts_the_compressions(tmp_path):
   """Hand-computed: the forward (kernel 1.0, compression 2.0, dense 1.5 ms) pays for itself
   only when W~'s compression is shared by more than 4 micro-batches (1 + 2/8 = 1.25 < 1.5;
   1 + 2/4 = 1.5 is not below 1.5); dX (0.5, 4.0, 1.0) beyond 8; dW (0.1, 1.0, 1.0) never:
-  its MVUE estimate is compressed in every call."""
+  its MVUE estimate is compressed in every call. On the CPU device on every host: a GPU
+  would measure the rows the table lacks (below) at first use."""
+  with jax.default_device(jax.devices("cpu")[0]):
+    _table_row_selects_its_gemm(tmp_path)
+
+
+def _table_row_selects_its_gemm(tmp_path):
   table = _table(tmp_path / "t.json", _bf16_rows(TOKENS, OUT, IN, forward=(1.0, 2.0, 1.5),
                                                  dgrad=(0.5, 4.0, 1.0), wgrad=(0.1, 1.0, 1.0)))
   opts = GemmOptions(mvue=True, transposable=True, backend="cusparselt", gemm_choice="measured",
@@ -346,6 +353,37 @@ def test_training_gemms_marked_slower_equal_the_forced_dense_choice(tmp_path, mo
   assert dx_table == forced, (dx_table, forced)
   # dX's contraction is over `out`: 128 (fc) and 32 (proj); once per layer per traced step.
   assert n_forced and sorted(set(seen)) == [32, 128] and len(seen) == 2 * n_forced, seen
+
+
+def _compiled_step(backend, method, **sparsity) -> str:
+  cfg = tiny_config(method, overrides={
+      "batch_size": 8, "grad_accum_steps": 2, "sparsity.backend": backend,
+      "model.dtype": "bfloat16", **{f"sparsity.{k}": v for k, v in sparsity.items()}})
+  spec = RunSpec.build(cfg)
+  model = model_lib.GPT2(spec.model_cfg)
+  state = train.fresh_state(model, spec.tx, 0)
+  tok = jnp.zeros((8, 16), jnp.int32)
+  return train.train_step.lower(state, {"inputs": tok, "targets": tok}, model=model,
+                                tx=spec.tx(state.params, state.sparsity),
+                                accum_steps=2).compile().as_text()
+
+
+@pytest.mark.parametrize("method,sparsity", [
+    ("t_sr_ste", {"mvue": True}),                                          # Hu et al.
+    ("s_ste", {"mvue": True, "fp8": True, "fp8_backward_operands": "e5m2"})])  # S-STE, FP8
+def test_every_gemm_dense_compiles_the_xla_step(method, sparsity):
+  """Where the choice puts every GEMM dense, the step XLA compiles is the 'xla' backend's,
+  kernel for kernel (the optimized HLO without names and source positions): it cannot be
+  slower. (FP8 on 'cusparselt' quantizes dX's and dW's operands in e5m2, what its 'auto'
+  picks: the same product on 'xla' is its step with e5m2 backward operands.)"""
+  want = hlo_text.canonical(_compiled_step("xla", method, **sparsity))
+  with cusparselt.standin():
+    dense = hlo_text.canonical(_compiled_step("cusparselt", method, gemm_choice="dense",
+                                              **sparsity))
+    forward = hlo_text.canonical(_compiled_step("cusparselt", method, gemm_choice="forward",
+                                                **sparsity))
+  assert dense == want
+  assert forward != want      # and the comparison sees a kernel change
 
 
 def test_prepare_compresses_only_for_a_chosen_gemm(tmp_path):

@@ -39,6 +39,7 @@ def _config(backend, overrides=None):
   return c
 
 
+@pytest.mark.skipif(tcgen05.targets_blackwell(), reason="checks the error off Blackwell")
 def test_tcgen05_off_blackwell_names_the_backend_that_runs():
   c = _config("tcgen05")
   spec = RunSpec.build(c)   # building the config is fine anywhere
@@ -79,13 +80,18 @@ json.dump({"fits": report["fits"], "spills": [r.spill_bytes for r in kernels],
   assert r["spills"] and max(r["spills"]) == 0, r
 
 
+ON_BLACKWELL = pytest.mark.skipif(not tcgen05.targets_blackwell(), reason="needs a Blackwell GPU")
+
+
 @pytest.mark.gpu
+@ON_BLACKWELL
 @pytest.mark.parametrize("tokens,out,inp", SHAPES + [(256, 3072, 768)])
 def test_gpu_tcgen05_op_matches_xla(tokens, out, inp):
   assert_bf16_op_matches_xla("tcgen05", tokens, out, inp)
 
 
 @pytest.mark.gpu
+@ON_BLACKWELL
 def test_gpu_tiny_training_with_tcgen05_matches_xla():
   def losses(backend):
     return train_losses(_config(backend, {"sparsity.mvue": False}), 5)[0]
