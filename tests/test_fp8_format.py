@@ -9,6 +9,8 @@ tests/sparse_ops/test_fp8_gemms.py.
 """
 from __future__ import annotations
 
+import types
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -16,6 +18,7 @@ import numpy as np
 import pytest
 
 from s24jax import fp8
+from s24jax.kernels import _common
 
 FORMATS = [(fp8.E4M3, ml_dtypes.float8_e4m3fn, 3), (fp8.E5M2, ml_dtypes.float8_e5m2, 2)]
 
@@ -100,7 +103,8 @@ def test_unknown_format_is_rejected():
     fp8.quantize(jnp.ones(3), jnp.bfloat16)
 
 
-@pytest.mark.parametrize("a_dtype,b_dtype", [(fp8.E4M3, fp8.E4M3), (fp8.E5M2, fp8.E4M3)])
+@pytest.mark.parametrize("a_dtype,b_dtype", [(fp8.E4M3, fp8.E4M3), (fp8.E5M2, fp8.E4M3),
+                                             (fp8.E5M2, fp8.E5M2)])
 def test_fp8_dot_equals_dequantized_float64_product(a_dtype, b_dtype):
   k1, k2 = jax.random.split(jax.random.PRNGKey(2))
   a = jax.random.normal(k1, (3, 5, 32))
@@ -133,3 +137,26 @@ def test_fp8_dot_relative_error_to_float32(a_dtype, bound):
 def test_fp8_dot_rejects_mismatched_contraction():
   with pytest.raises(ValueError, match="contraction"):
     fp8.fp8_dot(jnp.ones((2, 8)), jnp.ones((4, 3)))
+
+
+@pytest.mark.parametrize("platform,wide", [("gpu", "bf16"), ("cpu", "f32")])
+def test_e5m2_by_e5m2_runs_as_the_bf16_gemm_of_the_same_values(monkeypatch, platform, wide):
+  """No FP8 GEMM takes two e5m2 operands: for a GPU the dot is bf16 x bf16 (e5m2 converts to
+  bf16 exactly: every e5m2 value, subnormals included, round-trips), elsewhere float32; the
+  other pairs stay FP8."""
+  monkeypatch.setattr(_common, "target_device", lambda: types.SimpleNamespace(platform=platform))
+  every = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e5m2)
+  finite = every[np.isfinite(every.astype(np.float32))]
+  assert np.array_equal(finite.astype(ml_dtypes.bfloat16).astype(ml_dtypes.float8_e5m2)
+                        .view(np.uint8), finite.view(np.uint8))
+  one = jnp.float32(1.0)
+  def dot_line(a_dtype, b_dtype):     # the dot's operand and result types, as lowered
+    hlo = jax.jit(lambda a, b: fp8.scaled_dot_general(a, one, b, one, (((1,), (0,)), ((), ())),
+                                                      jnp.float32)).lower(
+        jnp.zeros((8, 16), a_dtype), jnp.zeros((16, 4), b_dtype)).as_text()
+    [line] = [l for l in hlo.splitlines() if "stablehlo.dot_general" in l]
+    return line.split(" : ")[-1]
+  assert dot_line(fp8.E5M2, fp8.E5M2) == (f"(tensor<8x16x{wide}>, tensor<16x4x{wide}>) -> "
+                                          "tensor<8x4xf32>")
+  assert dot_line(fp8.E5M2, fp8.E4M3) == ("(tensor<8x16xf8E5M2>, tensor<16x4xf8E4M3FN>) -> "
+                                          "tensor<8x4xf32>")

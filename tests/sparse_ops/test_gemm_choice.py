@@ -371,15 +371,22 @@ def _compiled_step(backend, method, **sparsity) -> str:
 @pytest.mark.parametrize("method,sparsity", [
     ("t_sr_ste", {"mvue": True}),                                          # Hu et al.
     ("s_ste", {"mvue": True, "fp8": True, "fp8_backward_operands": "e5m2"})])  # S-STE, FP8
-def test_every_gemm_dense_compiles_the_xla_step(method, sparsity):
-  """Where the choice puts every GEMM dense, the step XLA compiles is the 'xla' backend's,
-  kernel for kernel (the optimized HLO without names and source positions): it cannot be
-  slower. (FP8 on 'cusparselt' quantizes dX's and dW's operands in e5m2, what its 'auto'
-  picks: the same product on 'xla' is its step with e5m2 backward operands.)"""
+def test_every_gemm_dense_compiles_the_xla_step(method, sparsity, tmp_path):
+  """Where the choice puts every GEMM dense (forced, or every one measured slower in a
+  table), the step XLA compiles is the 'xla' backend's, kernel for kernel (the optimized HLO
+  without names and source positions): it cannot be slower. (FP8 on 'cusparselt' quantizes
+  dX's and dW's operands in e5m2, what its 'auto' picks: the same product on 'xla' is its
+  step with e5m2 backward operands.)"""
   want = hlo_text.canonical(_compiled_step("xla", method, **sparsity))
   with cusparselt.standin():
     dense = hlo_text.canonical(_compiled_step("cusparselt", method, gemm_choice="dense",
                                               **sparsity))
+    if not sparsity.get("fp8"):
+      slower = _table(tmp_path / "slower.json", _tiny_rows(
+          forward=(1.0, 0.1, 0.5), dgrad=(1.0, 0.1, 0.5), wgrad=(1.0, 0.1, 0.5)))
+      measured = hlo_text.canonical(_compiled_step("cusparselt", method, gemm_choice="measured",
+                                                   gemm_table=slower, **sparsity))
+      assert measured == want
     forward = hlo_text.canonical(_compiled_step("cusparselt", method, gemm_choice="forward",
                                                 **sparsity))
   assert dense == want
