@@ -117,24 +117,17 @@ def tcgen05_metadata(meta: jax.Array, k: int, dtype=jnp.bfloat16) -> jax.Array:
 # Where it may run
 
 
-def _compute_capability(dev) -> str | None:
-  return getattr(dev, "compute_capability", None) if dev.platform == "gpu" else None
-
-
-def targets_blackwell() -> bool:
-  """Whether the target device is a Blackwell GPU (compute capability 10.x): the default
-  device, which `s24jax.kernels.aot` sets to a compile-only B200 for a deviceless compile,
-  else jax's first device."""
-  return str(_compute_capability(c.target_device())).startswith("10.")
+def targets_blackwell(dev=None) -> bool:
+  """Whether the target device (`c.target_device()`) is Blackwell: compute capability 10.x."""
+  return str(getattr(dev or c.target_device(), "compute_capability", "")).startswith("10.")
 
 
 def check_device() -> None:
   """Raises NotBlackwellError unless `targets_blackwell()`."""
-  if not targets_blackwell():
-    dev = c.target_device()
-    cc = _compute_capability(dev)
-    where = (f"a {dev.device_kind} (compute capability {cc})" if dev.platform == "gpu"
-             else f"jax platform {dev.platform!r}")
+  dev = c.target_device()
+  if not targets_blackwell(dev):
+    where = (f"a {dev.device_kind} (compute capability {dev.compute_capability})"
+             if dev.platform == "gpu" else f"jax platform {dev.platform!r}")
     raise NotBlackwellError(
         f"kernels.tcgen05 (sparsity.backend='tcgen05') runs only on NVIDIA Blackwell GPUs "
         f"(sm_100a: tcgen05.mma.sp has no equivalent elsewhere); this process targets "
