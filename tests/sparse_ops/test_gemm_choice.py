@@ -387,10 +387,7 @@ def test_every_gemm_dense_compiles_the_xla_step(method, sparsity, tmp_path):
       measured = hlo_text.canonical(_compiled_step("cusparselt", method, gemm_choice="measured",
                                                    gemm_table=slower, **sparsity))
       assert measured == want
-    forward = hlo_text.canonical(_compiled_step("cusparselt", method, gemm_choice="forward",
-                                                **sparsity))
-  assert dense == want
-  assert forward != want      # and the comparison sees a kernel change
+  assert dense == want         # (that the comparison sees a changed kernel: test_hlo_text.py)
 
 
 def test_prepare_compresses_only_for_a_chosen_gemm(tmp_path):
