@@ -15,7 +15,9 @@ the largest |'xla'| value), then milliseconds per call of each GEMM (forward, dg
 Every time is n calls inside one jitted loop (kernels/timing.py: loop_seconds; torch: CUDA
 events around n calls), divided by n, the median of REPEATS loops; n is sized from the
 GEMM's FLOPs so a loop takes about LOOP_SECONDS. Rows come most informative first (HEAD,
-then the rest): about 10 fit in the section's time at `--budget 420`.
+then the rest). A row costs far more than its timed loops (compiles, the op's error check,
+cuSPARSELt's plan set-up per shape): on an H200 (2026-11-27) about 44 s, so 2 rows fit in the
+section's 88 s at `--budget 420`; a larger --budget reaches more.
 """
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
 """The report's sections, in the order they run, with their share of the budget.
 
 Order: the cheapest facts that say the most first. The environment (seconds); the `gpu` tests
-(every GPU path's correctness, about a minute with 4 workers); the cuSPARSELt GEMMs (is a 2:4
-GEMM faster, and than PyTorch's; ~10 s a row); the train steps (what that makes of a step;
-~25 s a row at 124m: a 20 s compile); the quick suite last, the longest (617 tests took
-longer than the H100 run's time limit with 6 workers) and the one the suite's own run also
-gives.
+(every GPU path's correctness: 50 s with 8 workers on an H200, 2026-11-27); the cuSPARSELt
+GEMMs (is a 2:4 GEMM faster, and than PyTorch's; ~44 s a row there); the train steps (what
+that makes of a step; ~15 s a row at 124m there, compiles of 4-21 s); the quick suite last,
+the longest (695 of its 764 tests in the 130 s it got there) and the one the suite's own run
+also gives.
 
 Time: the environment gets up to ENVIRONMENT_SECONDS; every other section its share of
 what is left of the budget among the sections not yet run (`cap`), so what one leaves unused
