@@ -251,8 +251,8 @@ class Checkpointer:
         f"none of the checkpoints in {self.directory} (steps {steps}) can be read into the "
         "state this config builds (the warnings above say why for each). Nothing in the "
         "workdir was changed but its train.log. If they were written by another config, use "
-        "that config "
-        "(workdir/config.json); otherwise restore them from a copy, or start a new --workdir.")
+        "that config (workdir/config.json); otherwise restore them from a copy, or start a "
+        "new --workdir.")
 
   @property
   def damaged_dir(self) -> str:

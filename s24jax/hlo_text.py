@@ -34,10 +34,12 @@ class Computation:
   root: str
 
 
-
 _HEADER = re.compile(r"^(ENTRY )?%?([\w.\-]+) \(.*\) -> .* \{$")
 ARRAY = re.compile(r"\b([a-z]+\d*(?:e\dm\d\w*)?)\[([\d,]*)\]")
 NAME = re.compile(r"%([\w.\-]+)")
+# The tables after the computations: source files, functions, locations, and the stack frames
+# that instructions name by stack_frame_id.
+STACK_TABLES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
 
 
 def _matching(text: str, start: int) -> int:
@@ -100,8 +102,7 @@ def parse(text: str) -> Module:
   """The computations and the stack-frame table of an HLO module's text."""
   comps: dict[str, Computation] = {}
   entry, cur, root = "", None, ""
-  tables: dict[str, dict[int, str]] = {"FileNames": {}, "FunctionNames": {},
-                                       "FileLocations": {}, "StackFrames": {}}
+  tables: dict[str, dict[int, str]] = {name: {} for name in STACK_TABLES}
   table = None
   for line in text.splitlines():
     if line in tables:
@@ -148,9 +149,6 @@ def parse(text: str) -> Module:
     # XLA prints the parent's id plus one (1: no parent).
     parents[k] = int(parent.group(1)) - 1 if parent else 0
   return Module(comps, entry, frames, parents)
-
-
-
 
 
 def arrays(type_text: str) -> list[tuple[str, tuple[int, ...]]]:
@@ -205,9 +203,6 @@ def is_fp8(type_text: str) -> bool:
   return any(t in FP8_TYPES for t, _ in arrays(type_text))
 
 
-_STACK_TABLES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
-
-
 def canonical(text: str) -> str:
   """The program of an optimized HLO module's text without what names and source positions
   change: metadata, stack frames and their tables, instruction and parameter numbering. Two
@@ -218,7 +213,7 @@ def canonical(text: str) -> str:
   text = re.sub(r",? ?stack_frame_id=\d+", "", text)
   lines = []
   for line in text.splitlines():
-    if line.startswith(_STACK_TABLES) or re.match(r"^\s*\d+ ", line):   # a table and its rows
+    if line.startswith(STACK_TABLES) or re.match(r"^\s*\d+ ", line):   # a table and its rows
       continue
     lines.append(line)
   text = re.sub(r"\b(param_\d+)\.\d+", r"\1", "\n".join(lines))

@@ -8,7 +8,8 @@ median round's mean, and the rounds are recorded (their spread: the timing's noi
 also records its `program`: a digest of the optimized HLO without names and source positions
 (hlo_text.canonical): rows with the same program run the same kernels, so a difference in
 their times is noise (on the H200, 2026-11-27, a 'cusparselt' step whose GEMMs were all
-measured slower, the same program as 'xla', timed 3.7 % apart in single rounds). The
+measured slower, which compiles to the 'xla' program (tests/sparse_ops/test_gemm_choice.py),
+timed 3.7 % apart from it in single rounds). The
 anatomy rows set `sparsity.gemm_choice` (s24jax/sparse_ops/gemm_choice.py) to 'forward',
 'forward+dgrad', 'forward+dgrad+wgrad' (cumulative: each difference is one GEMM's cost) and
 'dense' (the backend's layout and checks, no 2:4 kernel); the plain 'cusparselt' row keeps
@@ -61,9 +62,9 @@ ROWS = (("124m", "hu2024", "xla", None), ("124m", "hu2024", "cusparselt", None),
         ("350m", "hu2024", "cusparselt", None), ("350m", "s_ste", "xla", None),
         ("350m", "s_ste", "cusparselt", None))
 SMOKE_ROWS = (("tiny", "hu2024", "xla", None), ("tiny", "hu2024", "cusparselt", "forward"))
+ROUNDS = 3   # timed rounds of `steps` steps per row (module docstring)
 # Seconds a row takes before its first measurement (compile and warm-up), from the H100 run of
 # 2026-11-27 (124m: 14-23 s a row with 10 timed steps); the section then uses what it saw.
-ROUNDS = 3
 ESTIMATE = {"124m": 25.0, "350m": 45.0, "1558m/2": 30.0, "tiny": 20.0}
 
 
