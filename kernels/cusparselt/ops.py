@@ -19,9 +19,10 @@ rules first (rules.py: types, layouts, dimensions), so one it would refuse fails
 time, on any machine, with an error naming the rule.
 
 The stand-in: `with standin():` replaces both calls by jnp with the same operands, shapes,
-transposes and layouts, under the same rules. Its compressed buffer has the real one's size
-and holds a real 2:4 compression of A along k (the values, then a nibble of positions per
-group of 4), so an operand that is not 2:4 along k loses values as it would on the GPU. It is
+transposes and layouts, under the same rules. Its compressed buffer is the one layout.py writes
+for an H100 (STANDIN_COMPUTE_CAPABILITY; the stand-in's own natural order off the layout's
+tiles), so every CPU test of the backend also compresses and multiplies through that layout,
+and an operand that is not 2:4 along k loses values as it would on the GPU. It is
 the one place a test replaces the library, so the CPU suite can check everything around the
 FFI calls (the operands and layouts s24jax.sparse_ops passes, the gradients, the training)
 against the xla backend; the handlers themselves run only on a GPU (tests marked `gpu`).
@@ -36,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _common
+from . import layout
 from . import library
 from . import rules
 
@@ -183,39 +185,27 @@ def spmm(a_compressed: jax.Array, b: jax.Array, gemm: Gemm, *, a_dtype, out_dtyp
 
 
 # ---------------------------------------------------------------------------------------------
-# The stand-in's compressed format: a real 2:4 compression along k, in the real buffer's size.
+# The stand-in's compressed format: layout.py's, the one s24jax writes for the library.
+
+# The GPU whose layout the stand-in writes: the H100 / H200 the backend is tuned for.
+STANDIN_COMPUTE_CAPABILITY = (9, 0)
+
+
+def standin_layout(gemm: Gemm, a_dtype) -> layout.Layout:
+  """The layout the stand-in compresses op(A) in: layout.py's for STANDIN_COMPUTE_CAPABILITY
+  where the operand is on its tiles, else its own natural order."""
+  return (layout.for_target(STANDIN_COMPUTE_CAPABILITY, jnp.dtype(a_dtype).itemsize, gemm.m,
+                            gemm.k) or layout.NATURAL)
 
 
 def _standin_compress(a: jax.Array, gemm: Gemm, nbytes: int) -> jax.Array:
-  """op(A) (m, k) as [its kept values (m, k/2) in A's dtype][one nibble i0 | i1 << 2 per
-  group of 4, two per byte (m, k/8)], as bytes: exactly `nbytes` (rules.py, R9)."""
+  """op(A) (m, k) compressed as layout.py writes it: exactly `nbytes` (rules.py, R9)."""
   op_a = a if gemm.trans_a else a.T                                  # (m, k), groups along k
-  mags = jnp.abs(op_a.astype(jnp.float32))
-  g = op_a.reshape(gemm.m, gemm.k // 4, 4)                           # (m, G, 4)
-  rank = jnp.argsort(-mags.reshape(gemm.m, gemm.k // 4, 4), axis=-1, stable=True)
-  i0, i1 = jnp.sort(rank[..., :2], axis=-1)[..., 0], jnp.sort(rank[..., :2], axis=-1)[..., 1]
-  v0 = jnp.take_along_axis(g, i0[..., None], -1)[..., 0]
-  v1 = jnp.take_along_axis(g, i1[..., None], -1)[..., 0]
-  values = jnp.stack([v0, v1], -1).reshape(-1)                       # (m k / 2,)
-  nib = (i0 | (i1 << 2)).astype(jnp.uint8).reshape(gemm.m, gemm.k // 8, 2)
-  meta = (nib[..., 0] | (nib[..., 1] << 4)).reshape(-1)              # (m k / 8,)
-  value_bytes = jax.lax.bitcast_convert_type(values, jnp.uint8).reshape(-1)
-  out = jnp.concatenate([value_bytes, meta])
+  out = layout.compress(op_a, standin_layout(gemm, a.dtype))
   assert out.size == nbytes, (out.size, nbytes)
   return out
 
 
 def _standin_decompress(c: jax.Array, gemm: Gemm, a_dtype) -> jax.Array:
   """The inverse of `_standin_compress`: op(A) (m, k) in `a_dtype`."""
-  itemsize = jnp.dtype(a_dtype).itemsize
-  n_values = gemm.m * gemm.k // 2
-  value_bytes = c[:n_values * itemsize].reshape(n_values, itemsize)
-  values = jax.lax.bitcast_convert_type(value_bytes, a_dtype).reshape(gemm.m, gemm.k // 4, 2)
-  meta = c[n_values * itemsize:].reshape(gemm.m, gemm.k // 8)
-  nib = jnp.stack([meta & 15, meta >> 4], -1).reshape(gemm.m, gemm.k // 4)
-  i0, i1 = nib & 3, nib >> 2
-  pos = jnp.arange(4, dtype=jnp.uint8)
-  zero = jnp.zeros((), a_dtype)
-  dense = jnp.where(pos == i0[..., None], values[..., :1],
-                    jnp.where(pos == i1[..., None], values[..., 1:], zero))   # (m, G, 4)
-  return dense.reshape(gemm.m, gemm.k)
+  return layout.decompress(c, gemm.m, gemm.k, a_dtype, standin_layout(gemm, a_dtype))
