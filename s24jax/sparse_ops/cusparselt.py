@@ -12,10 +12,17 @@ trace time):
                                                   along T, compressed per micro-batch); dense
                                                   XLA otherwise
 
-Layouts. 16-bit operands take every layout, so none is copied: dX is the NN GEMM on W~ itself
-and dW the TT GEMM on x itself. 8-bit (FP8) operands take only TN (R3), so W~^T is materialized
-for dX (once per step, in `prepare`) and x^T for dW (per micro-batch). D is written in the
-order the next op reads it (y and dX as the column-major D^T, dW row-major): no transposes.
+Compression. Each A operand is compressed by s24jax where its layout serves (kernels/
+cusparselt/compression.py: jnp that XLA fuses with the projection, the transpose or the MVUE
+draw that makes the operand, checked against the library once per shape on a GPU), else by
+the library (`cusparseLtSpMMACompress`).
+
+Layouts. 16-bit operands take every layout: where the library compresses, none is copied (dX
+is the NN GEMM on W~ itself); where s24jax does, its layouts being TN only, dX is TN on W~^T,
+written transposed from W~ in the compressing pass (no copy either). dW is the TT GEMM on x
+itself. 8-bit (FP8) operands take only TN (R3), so x^T is materialized for dW (per
+micro-batch). D is written in the order the next op reads it (y and dX as the column-major
+D^T, dW row-major): no transposes.
 
 Types. bf16 operands write bf16 (R2: there is no bf16-in, f32-out kernel), so each
 micro-batch's dW is rounded to bf16 before the accumulation adds it in float32, where the 'xla'
@@ -36,7 +43,9 @@ whose GEMMs runs on cuSPARSELt is the 'xla' backend itself (`linear`).
 
 Under a mesh each device runs its own shard (`per_device`). Compiled for A100 and H100
 without a GPU; its CPU tests use the jnp stand-in of kernels/cusparselt/ops.py, which
-enforces the same rules. It has never run on a GPU.
+enforces the same rules and compresses in s24jax's layout. The library's GEMMs ran on an H100
+and an H200 (2026-11-27, docs/gpu_report.md); s24jax's compression and the TN data gradient
+have not run on a GPU.
 """
 from __future__ import annotations
 
@@ -51,6 +60,7 @@ import numpy as np
 from s24jax import fp8 as fp8_lib
 from s24jax.kernels import _common
 from s24jax.kernels import masks
+from s24jax.kernels.cusparselt import compression
 from s24jax.kernels.cusparselt import library
 from s24jax.kernels.cusparselt import ops as cusparselt
 from s24jax.kernels.cusparselt import rules
@@ -133,8 +143,8 @@ def sparse_gemm(a: jax.Array, b: jax.Array, gemm: cusparselt.Gemm, opts: GemmOpt
                 fmt) -> jax.Array:
   """`compressed_gemm` with A compressed here (quantized first under FP8)."""
   qa, sa = quantize(a, fmt, opts)
-  compressed = cusparselt.compress(qa, gemm, b_dtype=qa.dtype,
-                                   d_dtype=out_dtype(fmt, b.dtype))
+  compressed = compression.compress(qa, gemm, b_dtype=qa.dtype,
+                                    d_dtype=out_dtype(fmt, b.dtype))
   return compressed_gemm(compressed, qa.dtype, sa, b, gemm, opts, fmt)
 
 
@@ -152,12 +162,21 @@ def _operand_types(kind: str, opts: GemmOptions, dtype):
   return fmt, dtype if fmt is None else fmt, out_dtype(fmt, dtype)
 
 
+def dgrad_tn(t: int, n: int, k: int, a_dtype) -> bool:
+  """Whether dX's GEMM takes W~^T (K, N) as its A (TN) rather than W~ itself (NN): for 8-bit
+  types (R3), and wherever s24jax compresses W~^T (its layouts are TN only; it writes W~^T
+  from W~ in the same pass, kernels/cusparselt/compression.py)."""
+  return _k_major_only(a_dtype) or compression.s24jax_layout(
+      dgrad_gemm(t, n, k, True), a_dtype) is not None
+
+
 def _gemm(kind: str, t: int, n: int, k: int, a_dtype) -> cusparselt.Gemm:
   """The library's GEMM `kind` of a layer W~ (n, k) at t tokens, as the op runs it."""
   if kind == "forward":
     return fwd_gemm(t, n, k)
-  tn = _k_major_only(a_dtype)
-  return dgrad_gemm(t, n, k, tn) if kind == "dgrad" else wgrad_gemm(t, n, k, tn)
+  if kind == "dgrad":
+    return dgrad_gemm(t, n, k, dgrad_tn(t, n, k, a_dtype))
+  return wgrad_gemm(t, n, k, _k_major_only(a_dtype))
 
 
 @functools.cache
@@ -233,9 +252,13 @@ def measure_times(kind: str, t: int, n: int, k: int, dtype,
              "wgrad": lambda: (lambda est, x: common.wgrad_product(est, x, opts), op_a,
                                b if gemm.trans_b else b.T)}[kind]()
 
-    def compress(a):
-      qa, _ = quantize(a, fmt, opts)
-      return cusparselt.compress(qa, gemm, b_dtype=a_dtype, d_dtype=d_dtype)
+    # The compression as the step runs it: dX's TN operand W~^T is written from W~ itself.
+    transposed = kind == "dgrad" and gemm.trans_a
+    source = a.T if transposed else a
+
+    def compress(src):
+      qa, _ = quantize(src.T if transposed else src, fmt, opts)
+      return compression.compress(qa, gemm, b_dtype=a_dtype, d_dtype=d_dtype)
 
     _, a_scale = quantize(a, fmt, opts)
 
@@ -244,8 +267,8 @@ def measure_times(kind: str, t: int, n: int, k: int, dtype,
 
     dev = jax.devices()[0]
     return gemm_times.Times(
-        sparse_ms=gemm_times.per_call_ms(spmm, jax.jit(compress)(a), b),
-        compress_ms=gemm_times.per_call_ms(compress, a),
+        sparse_ms=gemm_times.per_call_ms(spmm, jax.jit(compress)(source), b),
+        compress_ms=gemm_times.per_call_ms(compress, source),
         dense_ms=gemm_times.per_call_ms(*dense),
         source=f"measured on {dev.device_kind} at first use, {time.strftime('%Y-%m-%d')}")
 
@@ -270,15 +293,15 @@ def prepare(w: jax.Array, *, tokens: int, dtype, opts: GemmOptions,
   if choose("forward", tokens, n, k, dtype, opts, share).sparse:
     # W~ is replicated (the FSDP all-gather): its own amax is the global one.
     qw, sw = (w, None) if fwd_fmt is None else fp8_lib.quantize(w, fwd_fmt)
-    prepared["fwd"] = cusparselt.compress(qw, fwd_gemm(tokens, n, k), b_dtype=qw.dtype,
-                                          d_dtype=out_dtype(fwd_fmt, dtype))
+    prepared["fwd"] = compression.compress(qw, fwd_gemm(tokens, n, k), b_dtype=qw.dtype,
+                                           d_dtype=out_dtype(fwd_fmt, dtype))
     if sw is not None:
       prepared["fwd_scale"] = sw
   if choose("dgrad", tokens, n, k, dtype, opts, share).sparse:   # transposable masks only
     qd, sd = (w, None) if bwd_fmt is None else fp8_lib.quantize(w, bwd_fmt)
-    tn = _k_major_only(qd.dtype)
-    prepared["dx"] = cusparselt.compress(qd.T if tn else qd, dgrad_gemm(tokens, n, k, tn),
-                                         b_dtype=qd.dtype, d_dtype=out_dtype(bwd_fmt, dtype))
+    tn = dgrad_tn(tokens, n, k, qd.dtype)
+    prepared["dx"] = compression.compress(qd.T if tn else qd, dgrad_gemm(tokens, n, k, tn),
+                                          b_dtype=qd.dtype, d_dtype=out_dtype(bwd_fmt, dtype))
     if sd is not None:
       prepared["dx_scale"] = sd
   return prepared
@@ -318,13 +341,15 @@ def _bwd(opts, res, dy):
   (t, k), n = x.shape, w.shape[0]
   _, fmt = formats(opts)
   dy = dy.astype(x.dtype)
+  tn_dx = dgrad_tn(t, n, k, _a_dtype(fmt, x))
   tn = _k_major_only(_a_dtype(fmt, x))
   if "dx" in prepared:   # (transposable masks only)
     dx = compressed_gemm(prepared["dx"], _a_dtype(fmt, x), prepared.get("dx_scale"), dy,
-                         dgrad_gemm(t, n, k, tn), opts, fmt)               # (T, K)
+                         dgrad_gemm(t, n, k, tn_dx), opts, fmt)            # (T, K)
   elif choose("dgrad", t, n, k, x.dtype, opts, 1.0).sparse:
     wd = w.astype(x.dtype)
-    dx = sparse_gemm(wd.T if tn else wd, dy, dgrad_gemm(t, n, k, tn), opts, fmt)   # (T, K)
+    dx = sparse_gemm(wd.T if tn_dx else wd, dy, dgrad_gemm(t, n, k, tn_dx), opts,
+                     fmt)                                                  # (T, K)
   else:
     dx = common.dgrad_gemm(dy, w.astype(dy.dtype), opts)                   # (T, K), dense
   if opts.mvue:   # the point of MVUE: dW = MVUE(dY^T) x, 2:4 along the tokens

@@ -26,6 +26,7 @@ from s24jax import sparse_ops
 from s24jax import state as state_lib
 from s24jax import train
 from s24jax.kernels import masks
+from s24jax.kernels.cusparselt import compression
 from s24jax.kernels.cusparselt import library
 from s24jax.kernels.cusparselt import ops as cusparselt
 from s24jax.run_spec import RunSpec
@@ -59,7 +60,8 @@ def _weights(transposable, seed=3, shape=(64, 32)):
 @pytest.mark.parametrize("transposable,mvue,fp8", [(False, False, False), (True, False, False),
                                                    (False, True, False), (True, True, False),
                                                    (False, True, True), (True, True, True)])
-def test_three_gemms_equal_the_xla_backend(transposable, mvue, fp8):
+@pytest.mark.parametrize("on_tiles", [False, True], ids=["library_compresses", "s24jax_compresses"])
+def test_three_gemms_equal_the_xla_backend(transposable, mvue, fp8, on_tiles, monkeypatch):
   """Forward, dX and dW of sparse_linear through the cusparselt wiring (stand-in) against
   'xla' with the same key (the same MVUE estimate) and, under FP8, the same formats (e4m3
   forward, e5m2 backward: one type per GEMM, R1): equal, but for dW with MVUE in bf16,
@@ -70,15 +72,22 @@ def test_three_gemms_equal_the_xla_backend(transposable, mvue, fp8):
   tensor-core GEMMs (cuBLASLt; 14-bit accumulation on Hopper) while the stand-in multiplies
   the same FP8 values in float32, so they differ in the accumulation's last bits (the H100
   run of 2026-11-27 failed both FP8 cases here). The real calls against 'xla' on a GPU:
-  test_gpu_three_gemms_equal_the_xla_backend."""
+  test_gpu_three_gemms_equal_the_xla_backend.
+
+  `on_tiles`: operands of shapes s24jax's compression writes (kernels/cusparselt/layout.py,
+  every operand compressed by jnp in the stand-in's H100 layout, dX TN on W~^T) or too small
+  for its tiles (the library's compression, here its stand-in; bf16 dX NN on W~)."""
+  if on_tiles:   # no operand reaches the library's compression
+    monkeypatch.setattr(cusparselt, "compress", lambda *a, **k: pytest.fail("library compress"))
   with jax.default_device(jax.devices("cpu")[0]):
-    _three_gemms_equal_the_xla_backend(transposable, mvue, fp8)
+    _three_gemms_equal_the_xla_backend(transposable, mvue, fp8, on_tiles)
 
 
-def _three_gemms_equal_the_xla_backend(transposable, mvue, fp8):
-  x = _normal(4, (2, 48, 32), jnp.bfloat16)                     # (B, T, in); 96 tokens
-  w = _weights(transposable)                                    # (out, in)
-  dy = _normal(5, (2, 48, 64), jnp.bfloat16)
+def _three_gemms_equal_the_xla_backend(transposable, mvue, fp8, on_tiles=False):
+  t, n, k = (64, 128, 128) if on_tiles else (48, 64, 32)        # (B T / 2, out, in)
+  x = _normal(4, (2, t, k), jnp.bfloat16)                       # (B, T, in)
+  w = _weights(transposable, shape=(n, k))                      # (out, in)
+  dy = _normal(5, (2, t, n), jnp.bfloat16)
   key = jax.random.key(7)
 
   def grads(backend):
@@ -109,7 +118,7 @@ def test_the_gemm_operands_are_what_cusparselt_needs(monkeypatch, fp8):
   are the library's (R3): FP8 all TN, one FP8 type per GEMM; bf16 TN, NN and TT, on W~ and
   x as they are (no transposed copy); dW's D row-major, the others column-major."""
   seen = []
-  real = cusparselt.compress
+  real = compression.compress
 
   def spy(a, gemm, **kw):
     op_a = a if gemm.trans_a else a.T                   # (m, k): 2:4 along k
@@ -117,7 +126,7 @@ def test_the_gemm_operands_are_what_cusparselt_needs(monkeypatch, fp8):
     seen.append((gemm, ok, jnp.dtype(a.dtype).name, jnp.dtype(kw["b_dtype"]).name))
     return real(a, gemm, **kw)
 
-  monkeypatch.setattr(cusparselt, "compress", spy)
+  monkeypatch.setattr(compression, "compress", spy)
   x, w, key = _normal(4, (96, 32), jnp.bfloat16), _weights(True), jax.random.key(1)
   with cusparselt.standin():
     opts = GemmOptions(mvue=True, backend="cusparselt", transposable=True, fp8=fp8,
