@@ -286,9 +286,11 @@ def test_gpu_three_gemms_equal_the_xla_backend(transposable, mvue, fp8):
 @pytest.mark.aot
 def test_deviceless_h100_compile_has_the_custom_calls(tmp_path, monkeypatch):
   """The planner on the tiny Hu et al. recipe with cusparselt for 8 H100s (no GPU): the real
-  handlers registered, 6 custom calls per sparse layer (compress + spmm for the forward, the
-  transposable dX and the MVUE dW; 2 blocks x 2 FFN matrices, unrolled, no remat), no
-  all-gather (each device multiplies its own tokens)."""
+  handlers registered, 3 custom calls per sparse layer (the spmm of the forward, the
+  transposable dX (TN, on W~^T) and the MVUE dW; 2 blocks x 2 FFN matrices, unrolled, no
+  remat) and no compression by the library (every operand is on the H100 layout's tiles,
+  128 tokens per device: s24jax compresses them all), no all-gather (each device multiplies
+  its own tokens)."""
   try:
     library.toolchain()
   except library.Unavailable as e:
@@ -303,19 +305,21 @@ def test_deviceless_h100_compile_has_the_custom_calls(tmp_path, monkeypatch):
   assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
   import json   # pylint: disable=g-import-not-at-top
   report = json.loads(out.read_text())
-  assert report["cusparselt_custom_calls"] == 2 * 2 * 6
+  assert report["cusparselt_custom_calls"] == 2 * 2 * 3
   assert report["collectives"]["all-gather"] == 0
   # Every call, read back from the optimized HLO, keeps the library's rules.
   calls = report["cusparselt_calls"]
-  assert len(calls) == 2 * 2 * 6 and report["cusparselt_rule_violations"] == 0, calls
+  assert len(calls) == 2 * 2 * 3 and report["cusparselt_rule_violations"] == 0, calls
+  assert {c["target"] for c in calls} == {"cusparselt_spmm"}, calls
+  assert all(c["trans_a"] for c in calls), calls          # dX too: TN on W~^T
 
 
 @pytest.mark.slow
 @pytest.mark.aot
 def test_deviceless_h100_fp8_compile_keeps_the_library_rules(tmp_path, monkeypatch):
   """The tiny S-STE recipe (FP8, MVUE) with cusparselt for one H100: every cuSPARSELt call in
-  the optimized HLO has one FP8 type on both operands, the TN layout, a float32 D, and a
-  compressed buffer of the rules' size; none is float32 2:4."""
+  the optimized HLO has one FP8 type on both operands, the TN layout, a float32 D; none is
+  float32 2:4; and none compresses (s24jax writes every operand in the H100 8-bit layout)."""
   try:
     library.toolchain()
   except library.Unavailable as e:
@@ -331,6 +335,7 @@ def test_deviceless_h100_fp8_compile_keeps_the_library_rules(tmp_path, monkeypat
   import json   # pylint: disable=g-import-not-at-top
   calls = json.loads(out.read_text())["cusparselt_calls"]
   assert calls and all(c["violation"] is None for c in calls), calls
+  assert {c["target"] for c in calls} == {"cusparselt_spmm"}, calls
   for c in calls:
     assert c["a_type"] == c["b_type"] in ("e4m3", "e5m2"), c
     assert (c["trans_a"], c["trans_b"], c["d_type"]) == (True, False, "f32"), c
