@@ -161,7 +161,9 @@ def compress(op_a: jax.Array, lay: Layout) -> jax.Array:
   m, k = op_a.shape
   _check(lay, m, k, op_a.dtype)
   i0, i1, v0, v1 = positions(op_a)                                   # 4 x (m, k/4)
-  values = jnp.stack([v0, v1], -1).reshape(m, k // 2)                # (m, k/2)
+  # A select of broadcasts, not a stack (a concatenate): XLA fuses it with its producers.
+  slot = jax.lax.broadcasted_iota(jnp.int32, (m, k // 4, 2), 2)
+  values = jnp.where(slot == 0, v0[..., None], v1[..., None])        # (m, k/4, 2)
   value_bytes = jax.lax.bitcast_convert_type(values, jnp.uint8).reshape(-1)
   return jnp.concatenate([value_bytes, metadata(_common.nibble(i0, i1), lay)])
 
