@@ -12,12 +12,15 @@ interpret=True on any machine, and interpret=False (native Triton) marked
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import numpy as np
 import pytest
 
 from . import _common as c
 from . import aot
+from .cusparselt import algorithms as cusparselt_algorithms
 
 MODES = [
     pytest.param(True, id="interpret"),
@@ -122,8 +125,10 @@ def np_decompress(values, meta) -> np.ndarray:
 # sign-fill shift floors), so the errors do not cancel in expectation (DeepSeek-V3 measured a
 # maximum relative error near 2 % at K = 4096), and a test asserts every one of 10^5 elements.
 
-FP8_ACCUMULATOR_FRACTION_BITS = 13   # e8m13: 14 significant bits
-FP8_MMA_MIN_K = 32                   # the smallest K of an FP8 MMA instruction
+# e8m13 (14 significant bits) and the smallest K of an FP8 MMA instruction: the facts
+# kernels/cusparselt/algorithms.py states once.
+FP8_ACCUMULATOR_FRACTION_BITS = -int(math.log2(cusparselt_algorithms.FP8_ACCUMULATOR_UNIT))
+FP8_MMA_MIN_K = cusparselt_algorithms.FP8_MMA_MIN_K
 
 
 def _gamma(n, unit_roundoff):

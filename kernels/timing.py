@@ -111,9 +111,9 @@ def _vary(a, tie, i):
   return a
 
 
-def loop_seconds(fn: Callable, *args, calls: int, repeats: int = 5) -> float:
-  """Median seconds per call of fn(*args), timed as `calls` calls inside one jitted loop
-  (`in_loop`, `calls` static), over `repeats` timings after one warm-up (the compile)."""
+def loop_seconds_each(fn: Callable, *args, calls: int, repeats: int = 5) -> list[float]:
+  """Seconds per call of fn(*args) in each of `repeats` timings (in their order) of `calls`
+  calls inside one jitted loop (`in_loop`, `calls` static), after one warm-up (the compile)."""
   run = jax.jit(in_loop(fn), static_argnums=0)
   jax.block_until_ready(run(calls, *args))
   times = []
@@ -121,7 +121,12 @@ def loop_seconds(fn: Callable, *args, calls: int, repeats: int = 5) -> float:
     t0 = time.perf_counter()
     jax.block_until_ready(run(calls, *args))
     times.append((time.perf_counter() - t0) / calls)
-  return statistics.median(times)
+  return times
+
+
+def loop_seconds(fn: Callable, *args, calls: int, repeats: int = 5) -> float:
+  """Median seconds per call of fn(*args) over the `repeats` timings of `loop_seconds_each`."""
+  return statistics.median(loop_seconds_each(fn, *args, calls=calls, repeats=repeats))
 
 
 def print_table(rows: Sequence[dict], columns: Sequence[str] | None = None):

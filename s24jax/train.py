@@ -21,6 +21,7 @@ from s24jax import sharding
 from s24jax.methods.base import layer_scalars
 from s24jax import model as model_lib
 from s24jax import sparse_linear
+from s24jax.sparse_ops import gemm_choice
 from s24jax.state import TrainState
 from s24jax.step_info import StepInfo
 
@@ -126,8 +127,11 @@ def train_step(state: TrainState, batch: Batch, info: StepInfo | None = None, *,
 
 @functools.partial(jax.jit, static_argnames=("model",))
 def eval_step(params: Any, sparsity: Any, batch: Batch, *, model: Any) -> dict[str, jax.Array]:
-  return {"loss": model.apply(_variables(params, sparsity), batch["inputs"], batch["targets"]),
-          "count": jnp.asarray(batch["targets"].size, jnp.float32)}
+  # No backward here: the sparse GEMMs' choice looks up and measures the forward's only.
+  with gemm_choice.forward_only():
+    return {"loss": model.apply(_variables(params, sparsity), batch["inputs"],
+                                batch["targets"]),
+            "count": jnp.asarray(batch["targets"].size, jnp.float32)}
 
 
 def fresh_state(model: Any, tx_fn: Callable[[Any, Any], optax.GradientTransformation],

@@ -43,6 +43,7 @@ from s24jax import errors
 from s24jax import export
 from s24jax import platform_dtypes
 from s24jax import sharding
+from s24jax import sparse_ops
 from s24jax import state as state_lib
 from s24jax import workdir as workdir_lib
 from s24jax.data import cache
@@ -217,6 +218,7 @@ def check_config(config: ml_collections.ConfigDict, *, num_devices: int | None =
     raise UserError(f"{e}{_width_hint(config, str(e))}") from e.__cause__
   _check_mvue(config, spec)
   check_sparse_layers(spec, allow_unmatched=allow_unmatched_layers)
+  sparse_ops.gemm_choice.warn_if_ignored(spec.model_cfg.sparsity, sparse_ops)   # said, not ignored
   return spec
 
 

@@ -26,7 +26,7 @@ from s24jax import state as state_lib
 from s24jax import train
 from s24jax.kernels import masks
 from s24jax.kernels.cusparselt import ops as cusparselt
-from s24jax.sparse_ops import cusparselt as cslt
+from s24jax.sparse_ops import cusparselt_gemms as cslt_gemms
 from s24jax.methods import registry
 from s24jax.model import GPT2
 from s24jax.run_spec import RunSpec
@@ -268,14 +268,16 @@ def test_cusparselt_prepare_returns_a_separate_tree(fp8, monkeypatch):
         np.asarray(method.project(jnp.asarray(kernel),
                                   state_lib.get_path(state.sparsity, path))), wt)
     n, k = wt.shape
-    # The forward's operand is W~ (TN); the data gradient's W~ itself (NN, bf16) or W~^T (TN,
-    # FP8: the only layout 8-bit types take), in the backward's format (e5m2).
-    for name, fmt, tn in (("fwd", ml_dtypes.float8_e4m3fn, True),
-                          ("dx", ml_dtypes.float8_e5m2, fp8)):
+    # The forward's operand is W~ (TN); the data gradient's W~ itself (NN, bf16, where the
+    # library compresses) or W~^T (TN: FP8, the only layout 8-bit types take, or where s24jax
+    # compresses), in the backward's format (e5m2).
+    for name, fmt in (("fwd", ml_dtypes.float8_e4m3fn), ("dx", ml_dtypes.float8_e5m2)):
       buf = entry[name]
-      gemm = (cslt.fwd_gemm(tokens, n, k) if name == "fwd"
-              else cslt.dgrad_gemm(tokens, n, k, tn))
       dtype = fmt if fp8 else jnp.bfloat16
+      with cusparselt.standin():
+        gemm = (cslt_gemms.fwd_gemm(tokens, n, k) if name == "fwd"
+                else cslt_gemms.dgrad_gemm(tokens, n, k,
+                                           cslt_gemms.dgrad_tn(tokens, n, k, dtype)))
       assert buf.dtype == jnp.uint8 and buf.shape == (gemm.compressed_bytes(dtype),)
       got = np.asarray(cusparselt._standin_decompress(buf, gemm, dtype), np.float32)  # pylint: disable=protected-access
       op_a = wt if name == "fwd" else wt.T                     # op(A): (m, k)

@@ -1,41 +1,49 @@
 // cuSPARSELt 2:4 sparse GEMMs as XLA FFI custom calls (s24jax.kernels.cusparselt).
 //
-// Two handlers, one GEMM convention. Every matrix is described column-major, so that JAX's
+// Three handlers, one GEMM convention. Every matrix is described column-major, so that JAX's
 // row-major arrays need no copy: a row-major (R, C) array is the column-major (C, R) matrix.
 //
-//   cusparselt_compress(A dense) -> A compressed          (under the plan of the GEMM below)
+//   cusparselt_compress(A dense) -> A compressed          (by A's descriptor alone)
 //   cusparselt_spmm(A compressed, B) -> D                  D = op(A) op(B), D (m, n)
+//   cusparselt_search(A compressed, B) -> int32[5]         the library's best algorithm
 //
 // op(A) is m x k and 2:4 along k (its contraction dimension), op(B) is k x n; `trans_a` /
 // `trans_b` say whether the stored column-major matrix is op(X)^T; `d_row_major` stores D
-// row-major instead (an attribute: whether cuSPARSELt accepts it for every dtype is only
-// known on a GPU). Both handlers find the same plan, cached per (device, m, n, k, dtypes,
-// transposes, D's order); its algorithm is chosen once, by cusparseLtMatmulSearch on scratch
-// buffers, when the plan is made (the compressed layout depends on it: compress and multiply
-// under one plan). Handles and plans are per thread (and per device within a thread):
+// row-major instead (whether cuSPARSELt accepts it for every dtype is only known on a GPU).
+//
+// Compression makes no plan: the compressed layout depends on A's structured descriptor, the
+// operation and the GPU, not on the algorithm (cusparseLtSpMMACompress2 takes no plan;
+// PyTorch's _cslt_compress uses it before any algorithm is chosen and multiplies the result
+// under any alg id). Its size must fit the buffer the trace reserves (rules.py, R9), or the
+// handler stops naming both sizes. The algorithm is part of the GEMM: spmm's attributes
+// alg_id, split_k, split_k_mode, split_k_buffers are set on the default selection before
+// cusparseLtMatmulPlanInit, and the plan cache's key includes them. Only cusparselt_search
+// runs cusparseLtMatmulSearch.
+//
+// Handles, descriptors and plans are per thread (and per device within a thread):
 // cuSPARSELt handles must not be shared across threads (NVIDIA's advice, relayed in
 // pytorch/pytorch#113776; PyTorch keeps a thread-local handle per device since #114273), and
 // with nothing shared there is no lock, so one device's algorithm search never stalls
-// another's GEMMs. Workspace and compression buffers come from XLA's scratch allocator,
-// 256-byte aligned under XLA's limit of 16 (scratch.h; rules.py, R10, X1, X3); all work runs on
-// XLA's stream. Every cuSPARSELt, CUDA or XLA failure comes back as an FFI error naming the
-// call and carrying the other side's own message (the library's status name and text, CUDA's
-// error, XLA's allocator message); nothing aborts the process.
+// another's GEMMs. Scratch comes from XLA's allocator, 256-byte aligned under XLA's limit of
+// 16 (scratch.h; rules.py, R10, X1, X3); all work runs on XLA's stream. Every cuSPARSELt,
+// CUDA or XLA failure comes back as an FFI error naming the call and carrying the other
+// side's own message; nothing aborts the process.
 //
-// The compressed output has the size rules.py gives (R9: 9/16 of the dense A's bytes for
-// 16-bit types, 10/16 for 8-bit: half the values and 2 bits per kept value), known without a
-// GPU at trace time; the handler checks the library's own size against it and stops with an
-// error naming both if it does not fit.
-//
+// Never run on a GPU (written from the cuSPARSELt 0.10.0 header; built, registered and
+// compiled into deviceless H100 executables without one): the descriptor-based compression,
+// the algorithm attributes, cusparselt_search and its copy of the result.
 // Build: s24jax/kernels/cusparselt/library.py (g++, no nvcc: cuSPARSELt is a host API).
 
 #include <cuda_runtime_api.h>
 #include <cusparseLt.h>
+#include <dlfcn.h>
 
+#include <array>
+#include <climits>
 #include <cstdint>
+#include <cstring>
 #include <map>
 #include <memory>
-#include <sstream>
 #include <string>
 #include <string_view>
 #include <tuple>
@@ -51,18 +59,31 @@ using s24jax_cusparselt::XlaScratch;
 namespace {
 
 std::string Status(const char* call, cusparseStatus_t status) {
-  std::ostringstream out;
-  out << "cuSPARSELt: " << call << " failed with status " << static_cast<int>(status) << " ("
-      << cusparseLtGetErrorName(status) << ": " << cusparseLtGetErrorString(status)
-      << "; CUSPARSELT_LOG_LEVEL=1 prints the library's reason)";
-  return out.str();
+  return std::string("cuSPARSELt: ") + call + " failed with status " +
+         std::to_string(static_cast<int>(status)) + " (" + cusparseLtGetErrorName(status) +
+         ": " + cusparseLtGetErrorString(status) +
+         "; CUSPARSELT_LOG_LEVEL=1 prints the library's reason)";
 }
 
-#define S24_CUSPARSELT(call)                                        \
-  do {                                                              \
-    cusparseStatus_t s24_status = (call);                           \
-    if (s24_status != CUSPARSE_STATUS_SUCCESS)                      \
-      return ffi::Error::Internal(Status(#call, s24_status));       \
+#define S24_CUSPARSELT(call)                                                          \
+  do {                                                                                \
+    cusparseStatus_t s24_status = (call);                                             \
+    if (s24_status != CUSPARSE_STATUS_SUCCESS)                                        \
+      return ffi::Error::Internal(Status(#call, s24_status));                         \
+  } while (0)
+
+#define S24_CUDA(call)                                                                \
+  do {                                                                                \
+    cudaError_t s24_cuda = (call);                                                    \
+    if (s24_cuda != cudaSuccess)                                                      \
+      return ffi::Error::Internal(std::string("CUDA: ") + #call + " failed: " +       \
+                                  cudaGetErrorName(s24_cuda) + ": " +                 \
+                                  cudaGetErrorString(s24_cuda));                      \
+  } while (0)
+
+#define S24_RETURN_IF_ERROR(expr)                                                     \
+  do {                                                                                \
+    if (ffi::Error s24_error = (expr); s24_error.failure()) return s24_error;         \
   } while (0)
 
 ffi::ErrorOr<cudaDataType> CudaType(ffi::DataType t) {
@@ -79,144 +100,8 @@ ffi::ErrorOr<cudaDataType> CudaType(ffi::DataType t) {
   }
 }
 
-struct Key {
-  int device;
-  int64_t m, n, k;
-  int a_type, b_type, d_type;
-  bool trans_a, trans_b, d_row_major;
-  bool operator<(const Key& o) const {
-    return std::tie(device, m, n, k, a_type, b_type, d_type, trans_a, trans_b, d_row_major) <
-           std::tie(o.device, o.m, o.n, o.k, o.a_type, o.b_type, o.d_type, o.trans_a,
-                    o.trans_b, o.d_row_major);
-  }
-};
-
-struct Plan {
-  cusparseLtHandle_t* handle = nullptr;   // the device's (owned by `handles`)
-  cusparseLtMatDescriptor_t a, b, d;
-  cusparseLtMatmulDescriptor_t matmul;
-  cusparseLtMatmulAlgSelection_t alg;
-  cusparseLtMatmulPlan_t plan;
-  size_t workspace = 0, compressed = 0, compress_buffer = 0;
-};
-
-// Per thread: one handle per device, and the plans made on them.
-thread_local std::map<int, std::unique_ptr<cusparseLtHandle_t>> handles;
-thread_local std::map<Key, std::unique_ptr<Plan>> plans;
-
-ffi::ErrorOr<cusparseLtHandle_t*> Handle(int device) {
-  auto it = handles.find(device);
-  if (it != handles.end()) return it->second.get();
-  auto handle = std::make_unique<cusparseLtHandle_t>();
-  cusparseStatus_t s = cusparseLtInit(handle.get());
-  if (s != CUSPARSE_STATUS_SUCCESS)
-    return ffi::Unexpected(ffi::Error::Internal(Status("cusparseLtInit", s)));
-  return (handles[device] = std::move(handle)).get();
-}
-
-// `bytes` of 256-byte aligned scratch (nullptr for 0 bytes), or the error naming `what`, the
-// bytes and alignment asked and XLA's message (scratch.h).
-ffi::ErrorOr<void*> Scratch(XlaScratch& scratch, size_t bytes, const char* what) {
-  s24jax_cusparselt::Scratch s = AlignedScratch(scratch, bytes, what);
-  if (!s.error.empty()) return ffi::Unexpected(ffi::Error::Internal(std::move(s.error)));
-  return s.data;
-}
-
-// The plan of `key` on this thread, made (and its algorithm searched) on first use.
-ffi::ErrorOr<Plan*> GetPlan(const Key& key, cudaStream_t stream,
-                            XlaScratch& scratch) {
-  auto it = plans.find(key);
-  if (it != plans.end()) return it->second.get();
-  auto h = Handle(key.device);
-  if (h.has_error()) return ffi::Unexpected(h.error());
-  cusparseLtHandle_t* handle = *h;
-  auto p = std::make_unique<Plan>();
-  p->handle = handle;
-  // Column-major descriptions: stored A is op(A) (m x k) or its transpose (k x m).
-  int64_t a_rows = key.trans_a ? key.k : key.m, a_cols = key.trans_a ? key.m : key.k;
-  int64_t b_rows = key.trans_b ? key.n : key.k, b_cols = key.trans_b ? key.k : key.n;
-  cusparseOrder_t col = CUSPARSE_ORDER_COL;
-  cusparseOrder_t d_order = key.d_row_major ? CUSPARSE_ORDER_ROW : CUSPARSE_ORDER_COL;
-  int64_t d_ld = key.d_row_major ? key.n : key.m;
-  auto err = [&](const char* call, cusparseStatus_t s) -> ffi::Error {
-    return ffi::Error::Internal(Status(call, s));
-  };
-  cusparseStatus_t s;
-  if ((s = cusparseLtStructuredDescriptorInit(
-           handle, &p->a, a_rows, a_cols, a_rows, 16, (cudaDataType)key.a_type, col,
-           CUSPARSELT_SPARSITY_50_PERCENT)) != CUSPARSE_STATUS_SUCCESS)
-    return ffi::Unexpected(err("cusparseLtStructuredDescriptorInit", s));
-  if ((s = cusparseLtDenseDescriptorInit(handle, &p->b, b_rows, b_cols, b_rows, 16,
-                                         (cudaDataType)key.b_type, col)) !=
-      CUSPARSE_STATUS_SUCCESS)
-    return ffi::Unexpected(err("cusparseLtDenseDescriptorInit(B)", s));
-  if ((s = cusparseLtDenseDescriptorInit(handle, &p->d, key.m, key.n, d_ld, 16,
-                                         (cudaDataType)key.d_type, d_order)) !=
-      CUSPARSE_STATUS_SUCCESS)
-    return ffi::Unexpected(err("cusparseLtDenseDescriptorInit(D)", s));
-  cusparseOperation_t op_a = key.trans_a ? CUSPARSE_OPERATION_TRANSPOSE
-                                         : CUSPARSE_OPERATION_NON_TRANSPOSE;
-  cusparseOperation_t op_b = key.trans_b ? CUSPARSE_OPERATION_TRANSPOSE
-                                         : CUSPARSE_OPERATION_NON_TRANSPOSE;
-  if ((s = cusparseLtMatmulDescriptorInit(handle, &p->matmul, op_a, op_b, &p->a, &p->b, &p->d,
-                                          &p->d, CUSPARSE_COMPUTE_32F)) !=
-      CUSPARSE_STATUS_SUCCESS)
-    return ffi::Unexpected(err("cusparseLtMatmulDescriptorInit", s));
-  if ((s = cusparseLtMatmulAlgSelectionInit(handle, &p->alg, &p->matmul,
-                                            CUSPARSELT_MATMUL_ALG_DEFAULT)) !=
-      CUSPARSE_STATUS_SUCCESS)
-    return ffi::Unexpected(err("cusparseLtMatmulAlgSelectionInit", s));
-  if ((s = cusparseLtMatmulPlanInit(handle, &p->plan, &p->matmul, &p->alg)) !=
-      CUSPARSE_STATUS_SUCCESS)
-    return ffi::Unexpected(err("cusparseLtMatmulPlanInit", s));
-  // The algorithm, once per plan: cusparseLtMatmulSearch times the candidates on buffers of
-  // the GEMM's shapes (their contents do not matter for timing).
-  size_t workspace = 0;
-  if ((s = cusparseLtMatmulGetWorkspace(handle, &p->plan, &workspace)) !=
-      CUSPARSE_STATUS_SUCCESS)
-    return ffi::Unexpected(err("cusparseLtMatmulGetWorkspace", s));
-  size_t a_bytes = 0, a_buffer = 0;
-  if ((s = cusparseLtSpMMACompressedSize(handle, &p->plan, &a_bytes, &a_buffer)) !=
-      CUSPARSE_STATUS_SUCCESS)
-    return ffi::Unexpected(err("cusparseLtSpMMACompressedSize", s));
-  size_t elem_b = key.b_type == CUDA_R_16BF || key.b_type == CUDA_R_16F ? 2
-                  : key.b_type == CUDA_R_32F ? 4 : 1;
-  size_t elem_d = key.d_type == CUDA_R_16BF || key.d_type == CUDA_R_16F ? 2
-                  : key.d_type == CUDA_R_32F ? 4 : 1;
-  auto sa = Scratch(scratch, a_bytes, "the algorithm search's compressed A");
-  if (sa.has_error()) return ffi::Unexpected(sa.error());
-  auto sb = Scratch(scratch, size_t(key.k) * key.n * elem_b, "the algorithm search's B");
-  if (sb.has_error()) return ffi::Unexpected(sb.error());
-  auto sd = Scratch(scratch, size_t(key.m) * key.n * elem_d, "the algorithm search's D");
-  if (sd.has_error()) return ffi::Unexpected(sd.error());
-  auto sw = Scratch(scratch, workspace, "the algorithm search's workspace");
-  if (sw.has_error()) return ffi::Unexpected(sw.error());
-  float alpha = 1.0f, beta = 0.0f;
-  if ((s = cusparseLtMatmulSearch(handle, &p->plan, &alpha, *sa, *sb, &beta, *sd, *sd, *sw,
-                                  &stream, 1)) != CUSPARSE_STATUS_SUCCESS)
-    return ffi::Unexpected(err("cusparseLtMatmulSearch", s));
-  // The search may pick an algorithm with other needs: ask again.
-  if ((s = cusparseLtMatmulGetWorkspace(handle, &p->plan, &p->workspace)) !=
-      CUSPARSE_STATUS_SUCCESS)
-    return ffi::Unexpected(err("cusparseLtMatmulGetWorkspace", s));
-  if ((s = cusparseLtSpMMACompressedSize(handle, &p->plan, &p->compressed,
-                                         &p->compress_buffer)) != CUSPARSE_STATUS_SUCCESS)
-    return ffi::Unexpected(err("cusparseLtSpMMACompressedSize", s));
-  return (plans[key] = std::move(p)).get();
-}
-
-ffi::ErrorOr<Key> MakeKey(int device, int64_t m, int64_t n, int64_t k, ffi::DataType a,
-                          ffi::DataType b, ffi::DataType d, bool trans_a, bool trans_b,
-                          bool d_row_major) {
-  auto at = CudaType(a), bt = CudaType(b), dt = CudaType(d);
-  if (at.has_error()) return ffi::Unexpected(at.error());
-  if (bt.has_error()) return ffi::Unexpected(bt.error());
-  if (dt.has_error()) return ffi::Unexpected(dt.error());
-  if (k % 4)
-    return ffi::Unexpected(ffi::Error::InvalidArgument(
-        "cuSPARSELt: the contraction dimension k=" + std::to_string(k) +
-        " must be a multiple of 4 (2:4 groups along it)"));
-  return Key{device, m, n, k, int(*at), int(*bt), int(*dt), trans_a, trans_b, d_row_major};
+size_t ElementBytes(int type) {
+  return type == CUDA_R_32F ? 4 : type == CUDA_R_16BF || type == CUDA_R_16F ? 2 : 1;
 }
 
 // The dtype attributes' names (ops.py: _DTYPE_NAMES) -> XLA's element types.
@@ -228,63 +113,266 @@ ffi::DataType TypeNamed(std::string_view name) {
   return ffi::DataType::F32;
 }
 
-// The plan of a GEMM (made on first use), on `device`, for the calling thread. Plans are
-// never freed, so the pointer stays valid for the thread's life.
-ffi::ErrorOr<Plan*> PlanFor(const ffi::ErrorOr<Key>& key, int32_t device, cudaStream_t stream,
-                            XlaScratch& scratch) {
-  if (key.has_error()) return ffi::Unexpected(key.error());
-  cudaError_t err = cudaSetDevice(device);
-  if (err != cudaSuccess)
-    return ffi::Unexpected(ffi::Error::Internal(std::string("CUDA: cudaSetDevice failed: ") +
-                                                cudaGetErrorName(err) + ": " +
-                                                cudaGetErrorString(err)));
-  return GetPlan(*key, stream, scratch);
+cusparseOperation_t Op(bool trans) {
+  return trans ? CUSPARSE_OPERATION_TRANSPOSE : CUSPARSE_OPERATION_NON_TRANSPOSE;
+}
+
+// An algorithm as spmm's attributes carry it (algorithms.Algorithm's fields), and the
+// library's attribute for each.
+using Algorithm = std::array<int64_t, 4>;
+constexpr const char* kAlgorithmNames[] = {"alg_id", "split_k", "split_k_mode",
+                                           "split_k_buffers"};
+constexpr cusparseLtMatmulAlgAttribute_t kAlgorithmAttributes[] = {
+    CUSPARSELT_MATMUL_ALG_CONFIG_ID, CUSPARSELT_MATMUL_SPLIT_K, CUSPARSELT_MATMUL_SPLIT_K_MODE,
+    CUSPARSELT_MATMUL_SPLIT_K_BUFFERS};
+// algorithms.DEFAULT, the library's default selection. A value at or below one of these
+// leaves that attribute at the library's choice (PyTorch, too, sets split-K only when not 1).
+constexpr Algorithm kDefault{-1, 1, 0, 1};
+
+// One GEMM with its algorithm: the plan cache's key.
+struct Gemm {
+  int device;
+  int64_t m, n, k;
+  int a_type, b_type, d_type;
+  bool trans_a, trans_b, d_row_major;
+  Algorithm alg;
+  auto Tied() const {
+    return std::tie(device, m, n, k, a_type, b_type, d_type, trans_a, trans_b, d_row_major,
+                    alg);
+  }
+  bool operator<(const Gemm& o) const { return Tied() < o.Tied(); }
+};
+
+struct Plan {
+  cusparseLtHandle_t* handle = nullptr;   // the device's (owned by `handles`)
+  cusparseLtMatDescriptor_t a, b, d;
+  cusparseLtMatmulDescriptor_t matmul;
+  cusparseLtMatmulAlgSelection_t alg;
+  cusparseLtMatmulPlan_t plan;
+  size_t workspace = 0;
+};
+
+// A's structured descriptor for compression, by (device, m, k, A's type, trans_a).
+using SparseAKey = std::tuple<int, int64_t, int64_t, int, bool>;
+
+// Per thread: one handle per device, and the descriptors and plans made on them. Never freed
+// (nor is what a failed InitPlan made): a pointer to one stays valid for the thread's life.
+thread_local std::map<int, std::unique_ptr<cusparseLtHandle_t>> handles;
+thread_local std::map<SparseAKey, std::unique_ptr<cusparseLtMatDescriptor_t>> sparse_as;
+thread_local std::map<Gemm, std::unique_ptr<Plan>> plans;
+
+// The calling thread's handle on `device`, which is made current first.
+ffi::Error HandleFor(int device, cusparseLtHandle_t** out) {
+  S24_CUDA(cudaSetDevice(device));
+  auto it = handles.find(device);
+  if (it == handles.end()) {
+    auto handle = std::make_unique<cusparseLtHandle_t>();
+    S24_CUSPARSELT(cusparseLtInit(handle.get()));
+    it = handles.emplace(device, std::move(handle)).first;
+  }
+  *out = it->second.get();
+  return ffi::Error::Success();
+}
+
+// `bytes` of 256-byte aligned scratch (nullptr for 0 bytes), or the error naming `what`, the
+// bytes and alignment asked and XLA's message (scratch.h).
+ffi::Error Scratch(XlaScratch& scratch, size_t bytes, const char* what, void** out) {
+  s24jax_cusparselt::Scratch s = AlignedScratch(scratch, bytes, what);
+  if (!s.error.empty()) return ffi::Error::Internal(std::move(s.error));
+  *out = s.data;
+  return ffi::Error::Success();
+}
+
+// A GEMM from a handler's attributes and element types, or what is unsupported in it.
+ffi::Error MakeGemm(int device, int64_t m, int64_t n, int64_t k, ffi::DataType a,
+                    ffi::DataType b, ffi::DataType d, bool trans_a, bool trans_b,
+                    bool d_row_major, Algorithm alg, Gemm* out) {
+  auto at = CudaType(a), bt = CudaType(b), dt = CudaType(d);
+  for (const auto* t : {&at, &bt, &dt})
+    if (t->has_error()) return t->error();
+  if (k % 4)
+    return ffi::Error::InvalidArgument("cuSPARSELt: the contraction dimension k=" +
+                                       std::to_string(k) +
+                                       " must be a multiple of 4 (2:4 groups along it)");
+  *out = Gemm{device, m, n, k, *at, *bt, *dt, trans_a, trans_b, d_row_major, alg};
+  return ffi::Error::Success();
+}
+
+// The stored A, column-major: op(A) (m x k) or, with trans_a, its transpose (k x m).
+ffi::Error DescribeA(const Gemm& g, cusparseLtHandle_t* h, cusparseLtMatDescriptor_t* a) {
+  int64_t rows = g.trans_a ? g.k : g.m, cols = g.trans_a ? g.m : g.k;
+  S24_CUSPARSELT(cusparseLtStructuredDescriptorInit(h, a, rows, cols, rows, 16,
+                                                    (cudaDataType)g.a_type, CUSPARSE_ORDER_COL,
+                                                    CUSPARSELT_SPARSITY_50_PERCENT));
+  return ffi::Error::Success();
+}
+
+// `g`'s algorithm on a default selection (the library's attributes are C ints).
+ffi::Error SetAlgorithm(const Gemm& g, cusparseLtHandle_t* h,
+                        cusparseLtMatmulAlgSelection_t* selection) {
+  for (size_t i = 0; i < g.alg.size(); ++i) {
+    if (g.alg[i] <= kDefault[i]) continue;
+    int value = static_cast<int>(g.alg[i]);
+    cusparseStatus_t s = g.alg[i] > INT_MAX ? CUSPARSE_STATUS_INVALID_VALUE
+                         : cusparseLtMatmulAlgSetAttribute(h, selection, kAlgorithmAttributes[i],
+                                                           &value, sizeof(value));
+    if (s != CUSPARSE_STATUS_SUCCESS)
+      return ffi::Error::InvalidArgument(Status("cusparseLtMatmulAlgSetAttribute", s) + " for " +
+                                         kAlgorithmNames[i] + "=" + std::to_string(g.alg[i]));
+  }
+  return ffi::Error::Success();
+}
+
+// `p`'s descriptors, algorithm selection (the default, then `g`'s attributes) and plan.
+ffi::Error InitPlan(const Gemm& g, cusparseLtHandle_t* h, Plan* p) {
+  p->handle = h;
+  int64_t b_rows = g.trans_b ? g.n : g.k, b_cols = g.trans_b ? g.k : g.n;
+  S24_RETURN_IF_ERROR(DescribeA(g, h, &p->a));
+  S24_CUSPARSELT(cusparseLtDenseDescriptorInit(h, &p->b, b_rows, b_cols, b_rows, 16,
+                                               (cudaDataType)g.b_type, CUSPARSE_ORDER_COL));
+  S24_CUSPARSELT(cusparseLtDenseDescriptorInit(
+      h, &p->d, g.m, g.n, g.d_row_major ? g.n : g.m, 16, (cudaDataType)g.d_type,
+      g.d_row_major ? CUSPARSE_ORDER_ROW : CUSPARSE_ORDER_COL));
+  S24_CUSPARSELT(cusparseLtMatmulDescriptorInit(h, &p->matmul, Op(g.trans_a), Op(g.trans_b),
+                                                &p->a, &p->b, &p->d, &p->d,
+                                                CUSPARSE_COMPUTE_32F));
+  S24_CUSPARSELT(cusparseLtMatmulAlgSelectionInit(h, &p->alg, &p->matmul,
+                                                  CUSPARSELT_MATMUL_ALG_DEFAULT));
+  S24_RETURN_IF_ERROR(SetAlgorithm(g, h, &p->alg));
+  S24_CUSPARSELT(cusparseLtMatmulPlanInit(h, &p->plan, &p->matmul, &p->alg));
+  S24_CUSPARSELT(cusparseLtMatmulGetWorkspace(h, &p->plan, &p->workspace));
+  return ffi::Error::Success();
+}
+
+// The plan of `g` on this thread, made on first use.
+ffi::Error PlanFor(const Gemm& g, Plan** out) {
+  cusparseLtHandle_t* handle = nullptr;
+  S24_RETURN_IF_ERROR(HandleFor(g.device, &handle));
+  auto it = plans.find(g);
+  if (it == plans.end()) {
+    auto p = std::make_unique<Plan>();
+    S24_RETURN_IF_ERROR(InitPlan(g, handle, p.get()));
+    it = plans.emplace(g, std::move(p)).first;
+  }
+  *out = it->second.get();
+  return ffi::Error::Success();
 }
 
 ffi::Error Compress(cudaStream_t stream, XlaScratch scratch, int32_t device,
                     ffi::AnyBuffer dense, ffi::Result<ffi::AnyBuffer> compressed, int64_t m,
                     int64_t n, int64_t k, bool trans_a, bool trans_b, bool d_row_major,
                     std::string_view b_dtype, std::string_view d_dtype) {
-  auto plan = PlanFor(MakeKey(device, m, n, k, dense.element_type(), TypeNamed(b_dtype),
-                             TypeNamed(d_dtype), trans_a, trans_b, d_row_major),
-                     device, stream, scratch);
-  if (plan.has_error()) return plan.error();
-  Plan* p = *plan;
-  if (p->compressed > compressed->size_bytes()) {
+  // The whole GEMM is checked, but only A's shape, type and trans_a shape its compression.
+  Gemm g;
+  S24_RETURN_IF_ERROR(MakeGemm(device, m, n, k, dense.element_type(), TypeNamed(b_dtype),
+                               TypeNamed(d_dtype), trans_a, trans_b, d_row_major, kDefault,
+                               &g));
+  cusparseLtHandle_t* h = nullptr;
+  S24_RETURN_IF_ERROR(HandleFor(device, &h));
+  auto& a = sparse_as[SparseAKey{device, m, k, g.a_type, trans_a}];
+  if (!a) {
+    auto described = std::make_unique<cusparseLtMatDescriptor_t>();
+    S24_RETURN_IF_ERROR(DescribeA(g, h, described.get()));
+    a = std::move(described);
+  }
+  size_t bytes = 0, buffer_bytes = 0;
+  S24_CUSPARSELT(cusparseLtSpMMACompressedSize2(h, a.get(), &bytes, &buffer_bytes));
+  if (bytes > compressed->size_bytes()) {
     return ffi::Error::Internal(
-        "cuSPARSELt: the compressed operand needs " + std::to_string(p->compressed) +
+        "cuSPARSELt: the compressed operand needs " + std::to_string(bytes) +
         " bytes, more than the " + std::to_string(compressed->size_bytes()) +
         " the trace reserved (kernels/cusparselt/rules.py, R9: 9/16 of the dense bytes for "
         "16-bit types, 10/16 for 8-bit); raise the bound there (compressed_bytes)");
   }
-  auto buffer = Scratch(scratch, p->compress_buffer, "the compression buffer");
-  if (buffer.has_error()) return buffer.error();
-  S24_CUSPARSELT(cusparseLtSpMMACompress(p->handle, &p->plan, dense.untyped_data(),
-                                         compressed->untyped_data(), *buffer, stream));
+  void* buffer = nullptr;
+  S24_RETURN_IF_ERROR(Scratch(scratch, buffer_bytes, "the compression buffer", &buffer));
+  S24_CUSPARSELT(cusparseLtSpMMACompress2(h, a.get(), /*isSparseA=*/1, Op(trans_a),
+                                          dense.untyped_data(), compressed->untyped_data(),
+                                          buffer, stream));
   return ffi::Error::Success();
 }
 
-ffi::Error Spmm(cudaStream_t stream, XlaScratch scratch, int32_t device,
-                ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer> d, int64_t m,
-                int64_t n, int64_t k, bool trans_a, bool trans_b, bool d_row_major,
-                std::string_view a_dtype) {
-  auto plan = PlanFor(MakeKey(device, m, n, k, TypeNamed(a_dtype), b.element_type(),
-                             d->element_type(), trans_a, trans_b, d_row_major),
-                     device, stream, scratch);
-  if (plan.has_error()) return plan.error();
-  Plan* p = *plan;
-  auto workspace = Scratch(scratch, p->workspace, "the matmul workspace");
-  if (workspace.has_error()) return workspace.error();
+ffi::Error Spmm(cudaStream_t stream, XlaScratch scratch, int32_t device, ffi::AnyBuffer a,
+                ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer> d, int64_t m, int64_t n,
+                int64_t k, bool trans_a, bool trans_b, bool d_row_major,
+                std::string_view a_dtype, int64_t alg_id, int64_t split_k,
+                int64_t split_k_mode, int64_t split_k_buffers) {
+  Gemm g;
+  S24_RETURN_IF_ERROR(MakeGemm(device, m, n, k, TypeNamed(a_dtype), b.element_type(),
+                               d->element_type(), trans_a, trans_b, d_row_major,
+                               {alg_id, split_k, split_k_mode, split_k_buffers}, &g));
+  Plan* p = nullptr;
+  S24_RETURN_IF_ERROR(PlanFor(g, &p));
+  void* workspace = nullptr;
+  S24_RETURN_IF_ERROR(Scratch(scratch, p->workspace, "the matmul workspace", &workspace));
   float alpha = 1.0f, beta = 0.0f;
   S24_CUSPARSELT(cusparseLtMatmul(p->handle, &p->plan, &alpha, a.untyped_data(),
                                   b.untyped_data(), &beta, d->untyped_data(),
-                                  d->untyped_data(), *workspace, &stream, 1));
+                                  d->untyped_data(), workspace, &stream, 1));
+  return ffi::Error::Success();
+}
+
+// What cusparselt_search returns: the algorithm's 4 attributes, then the number of algorithm
+// ids (algorithms.py reads them in this order).
+constexpr size_t kSearchResultSize = std::tuple_size_v<Algorithm> + 1;
+
+// The library's best algorithm for a GEMM: cusparseLtMatmulSearch times every candidate by
+// running it on the call's operands (D and the workspace in scratch: the workspace of the
+// default selection's plan, as PyTorch and NVIDIA's samples give it), and leaves the fastest
+// in the plan's algorithm selection, which is read back from there. The plan is this call's
+// own, made from the default selection and destroyed at the end: spmm's plan for the default
+// must keep the library's default.
+ffi::Error Search(cudaStream_t stream, XlaScratch scratch, int32_t device, ffi::AnyBuffer a,
+                  ffi::AnyBuffer b, ffi::Result<ffi::Buffer<ffi::S32>> result, int64_t m,
+                  int64_t n, int64_t k, bool trans_a, bool trans_b, bool d_row_major,
+                  std::string_view a_dtype, std::string_view d_dtype) {
+  if (result->element_count() != kSearchResultSize)
+    return ffi::Error::InvalidArgument("cuSPARSELt search: the result must be int32[" +
+                                       std::to_string(kSearchResultSize) + "]");
+  Gemm g;
+  S24_RETURN_IF_ERROR(MakeGemm(device, m, n, k, TypeNamed(a_dtype), b.element_type(),
+                               TypeNamed(d_dtype), trans_a, trans_b, d_row_major, kDefault,
+                               &g));
+  cusparseLtHandle_t* h = nullptr;
+  S24_RETURN_IF_ERROR(HandleFor(device, &h));
+  Plan p;
+  S24_RETURN_IF_ERROR(InitPlan(g, h, &p));
+  struct Destroy {
+    Plan& p;
+    ~Destroy() {
+      cusparseLtMatmulPlanDestroy(&p.plan);
+      cusparseLtMatmulAlgSelectionDestroy(&p.alg);
+      for (auto* descriptor : {&p.a, &p.b, &p.d}) cusparseLtMatDescriptorDestroy(descriptor);
+    }
+  } destroy{p};
+  void *d = nullptr, *workspace = nullptr;
+  S24_RETURN_IF_ERROR(Scratch(scratch, size_t(m) * n * ElementBytes(g.d_type), "the search's D",
+                              &d));
+  S24_RETURN_IF_ERROR(Scratch(scratch, p.workspace, "the search's workspace", &workspace));
+  float alpha = 1.0f, beta = 0.0f;
+  S24_CUSPARSELT(cusparseLtMatmulSearch(h, &p.plan, &alpha, a.untyped_data(), b.untyped_data(),
+                                        &beta, d, d, workspace, &stream, 1));
+  int32_t found[kSearchResultSize];   // the library's attributes are C ints
+  for (size_t i = 0; i < kSearchResultSize; ++i) {
+    bool max_id = i == kSearchResultSize - 1;
+    S24_CUSPARSELT(cusparseLtMatmulAlgGetAttribute(
+        h, &p.alg, max_id ? CUSPARSELT_MATMUL_ALG_CONFIG_MAX_ID : kAlgorithmAttributes[i],
+        &found[i], sizeof(found[i])));
+  }
+  // `found` lives in this frame, and cudaMemcpyAsync from pageable host memory may return
+  // before the copy has read it: synchronizing XLA's stream before returning makes the array
+  // outlive the copy. The wait costs little: the search has just waited for its own timings,
+  // and it runs once per GEMM, outside a training step. (XLA puts no handler without a
+  // command-buffer trait, as this one, into a CUDA graph, where a synchronize is illegal.)
+  S24_CUDA(cudaMemcpyAsync(result->typed_data(), found, sizeof(found), cudaMemcpyHostToDevice,
+                           stream));
+  S24_CUDA(cudaStreamSynchronize(stream));
   return ffi::Error::Success();
 }
 
 }  // namespace
 
-// Both handlers' context: XLA's stream, its scratch allocator (with its messages kept:
+// The handlers' context: XLA's stream, its scratch allocator (with its messages kept:
 // scratch.h), the device.
 auto WithContext() {
   return ffi::Ffi::Bind()
@@ -293,7 +381,7 @@ auto WithContext() {
       .Ctx<ffi::DeviceOrdinal>();
 }
 
-// The GEMM's attributes, shared by both handlers (the same plan key).
+// The GEMM's attributes, shared by the handlers.
 template <typename Binding>
 auto GemmAttrs(Binding binding) {
   return std::move(binding)
@@ -314,4 +402,42 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     CusparseltSpmm, Spmm,
     GemmAttrs(WithContext().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>())
-        .Attr<std::string_view>("a_dtype"));
+        .Attr<std::string_view>("a_dtype")
+        .Attr<int64_t>("alg_id")
+        .Attr<int64_t>("split_k")
+        .Attr<int64_t>("split_k_mode")
+        .Attr<int64_t>("split_k_buffers"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    CusparseltSearch, Search,
+    GemmAttrs(WithContext()
+                  .Arg<ffi::AnyBuffer>()
+                  .Arg<ffi::AnyBuffer>()
+                  .Ret<ffi::Buffer<ffi::S32>>())
+        .Attr<std::string_view>("a_dtype")
+        .Attr<std::string_view>("d_dtype"));
+
+// Which libcusparseLt serves the handlers (library.serving()): its version, from
+// cusparseLtGetProperty (a static query: no handle, no GPU), and the file that provides
+// cusparseLtGetProperty to this library (dladdr of the address the dynamic linker bound: in
+// one process the first libcusparseLt.so.0 loaded serves everything that links it, e.g.
+// torch's own copy if torch was imported first). A plain C function, not a handler. Returns
+// 0; else the status of a failed query, -1 if dladdr names no file, -2 if the file's name
+// and its NUL do not fit in `path_len` bytes.
+extern "C" int S24jaxCusparseltLibrary(char* path, int path_len, int* major, int* minor,
+                                       int* patch) {
+  const std::pair<libraryPropertyType, int*> properties[] = {
+      {MAJOR_VERSION, major}, {MINOR_VERSION, minor}, {PATCH_LEVEL, patch}};
+  for (const auto& [property, value] : properties) {
+    cusparseStatus_t s = cusparseLtGetProperty(property, value);
+    if (s != CUSPARSE_STATUS_SUCCESS) return static_cast<int>(s);
+  }
+  Dl_info info;
+  if (dladdr(reinterpret_cast<void*>(&cusparseLtGetProperty), &info) == 0 ||
+      info.dli_fname == nullptr)
+    return -1;
+  size_t length = std::strlen(info.dli_fname);
+  if (path_len < 0 || length + 1 > static_cast<size_t>(path_len)) return -2;
+  std::memcpy(path, info.dli_fname, length + 1);
+  return 0;
+}

@@ -9,8 +9,14 @@ library is cached under the s24jax cache (`$S24JAX_CACHE`, else `~/.cache/s24jax
 headers it includes (scratch.h), so an upgrade or an edit rebuilds. The build needs no GPU.
 
 `register()` preloads the wheel's libcudart and libcusparseLt (so the handler's sonames
-resolve) and registers the FFI targets `cusparselt_compress` and `cusparselt_spmm` for the
-CUDA platform. Anything missing raises `Unavailable` with the command that fixes it.
+resolve) and registers the FFI targets of TARGETS for the CUDA platform. Anything missing
+raises `Unavailable` with the command that fixes it.
+
+Which cuSPARSELt serves: `serving()` asks the handler library itself (its plain C function
+S24jaxCusparseltLibrary: the version cusparseLtGetProperty reports and the file dladdr names
+for it), `mapped_files()` lists every libcusparseLt file mapped into the process (two means a
+second copy, e.g. torch's, of which only the first loaded serves), and `pinned_version()` is
+the version the repository pins (requirements-cusparselt.txt). None of them needs a GPU.
 """
 from __future__ import annotations
 
@@ -33,8 +39,17 @@ SOURCE = pathlib.Path(__file__).with_name("cusparselt_ffi.cc")
 HEADERS = (pathlib.Path(__file__).with_name("scratch.h"),)
 # FFI target name -> the handler's symbol in the library. Every target starts with PREFIX:
 # kernels.aot.hlo_census counts custom calls by it (the planner's cusparselt_custom_calls).
-TARGETS = {"cusparselt_compress": "CusparseltCompress", "cusparselt_spmm": "CusparseltSpmm"}
+TARGETS = {"cusparselt_compress": "CusparseltCompress", "cusparselt_spmm": "CusparseltSpmm",
+           "cusparselt_search": "CusparseltSearch"}
 PREFIX = "cusparselt"
+# spmm's algorithm attributes and the values that leave each at the library's own choice
+# (cusparselt_ffi.cc's kDefault): algorithms.Algorithm's fields, and its DEFAULT.
+ALGORITHM_DEFAULTS = {"alg_id": -1, "split_k": 1, "split_k_mode": 0, "split_k_buffers": 1}
+# The handler library's plain C function naming the libcusparseLt that serves it (serving()).
+SERVING_SYMBOL = "S24jaxCusparseltLibrary"
+# The repository root's pins (a source checkout: the project is installed editable).
+REQUIREMENTS = pathlib.Path(__file__).resolve().parents[2] / "requirements-cusparselt.txt"
+_PIN = re.compile(r"^\s*nvidia[-_.]+cusparselt[-_.]+cu13\s*==\s*([^\s;#]+)", re.I)
 INSTALL_HINT = ("pip install -r requirements-gpu.txt (a GPU host; or requirements-cusparselt.txt: "
                 "the wheels alone, e.g. to build on a machine without a GPU)")
 
@@ -119,7 +134,7 @@ def build_command(tools: Toolchain, out: pathlib.Path) -> list[str]:
   return [tools.compiler, "-std=c++17", "-O2", "-shared", "-fPIC", "-w",
           f"-I{tools.ffi_include}", f"-I{tools.cuda_root / 'include'}", str(SOURCE),
           "-o", str(out), f"-L{tools.lib_dir}", "-l:libcusparseLt.so.0", "-l:libcudart.so.13",
-          f"-Wl,-rpath,{tools.lib_dir}"]
+          "-ldl", f"-Wl,-rpath,{tools.lib_dir}"]
 
 
 def build(*, force: bool = False) -> pathlib.Path:
@@ -152,3 +167,64 @@ def register() -> pathlib.Path:
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
                                 platform="CUDA")
   return path
+
+
+def serving() -> dict[str, str]:
+  """The libcusparseLt that serves s24jax's cuSPARSELt calls in this process: {"path": its
+  file (symlinks resolved), "version": "MAJOR.MINOR.PATCH" as the library itself reports}.
+  Registers the handlers first. No GPU needed: cusparseLtGetProperty is a static query. In
+  one process the first libcusparseLt.so.0 loaded serves everything that links it, e.g.
+  torch's own copy if torch loaded it before register() ran."""
+  query = getattr(ctypes.CDLL(str(register())), SERVING_SYMBOL)
+  query.restype = ctypes.c_int
+  query.argtypes = [ctypes.c_char_p, ctypes.c_int, *[ctypes.POINTER(ctypes.c_int)] * 3]
+  path, version = ctypes.create_string_buffer(4096), [ctypes.c_int() for _ in range(3)]
+  status = query(path, len(path), *version)
+  if status:
+    why = {-1: "dladdr names no file for cusparseLtGetProperty",
+           -2: f"the file's path is longer than {len(path) - 1} bytes"}.get(
+               status, f"cusparseLtGetProperty failed with status {status}")
+    raise Unavailable(f"cannot tell which libcusparseLt serves s24jax: {why}.")
+  return {"path": os.path.realpath(path.value.decode()),
+          "version": ".".join(str(v.value) for v in version)}
+
+
+def mapped_files() -> list[str]:
+  """Every libcusparseLt* file mapped into this process (Linux's /proc/self/maps), sorted;
+  [] without /proc/self/maps (not Linux)."""
+  try:
+    maps = pathlib.Path("/proc/self/maps").read_text()
+  except OSError:
+    return []
+  return files_in_maps(maps, "libcusparseLt")
+
+
+def files_in_maps(maps: str, name_prefix: str) -> list[str]:
+  """The files of a /proc/<pid>/maps text whose name starts with `name_prefix`, each once,
+  sorted. A line is address, permissions, offset, device, inode and, for a file, its path
+  (which may hold spaces; a deleted file's ends in " (deleted)")."""
+  found = set()
+  for line in maps.splitlines():
+    fields = line.split(maxsplit=5)
+    if len(fields) == 6 and fields[5].startswith("/"):
+      path = fields[5].removesuffix(" (deleted)")
+      if os.path.basename(path).startswith(name_prefix):
+        found.add(path)
+  return sorted(found)
+
+
+def pinned_version(requirements: str | os.PathLike = REQUIREMENTS) -> str:
+  """The cuSPARSELt version the repository pins: X of the line `nvidia-cusparselt-cu13==X` in
+  `requirements` (the repository root's requirements-cusparselt.txt)."""
+  path = pathlib.Path(requirements)
+  want = "a line `nvidia-cusparselt-cu13==X.Y.Z`"
+  try:
+    lines = path.read_text().splitlines()
+  except OSError as e:
+    raise ValueError(f"{path}: cannot read the pinned cuSPARSELt version ({e.strerror}); the "
+                     f"file should hold {want}.") from None
+  pins = {m.group(1) for m in map(_PIN.match, lines) if m}
+  if len(pins) != 1:
+    found = f"pins {sorted(pins)}" if pins else "has no such pin"
+    raise ValueError(f"{path}: needs exactly one pinned cuSPARSELt version ({want}); it {found}.")
+  return pins.pop()

@@ -9,11 +9,13 @@ matrix X with the array equal to X^T. With `Gemm(m, n, k, trans_a, trans_b)`:
     the B array is op(B) itself, shape (k, n), if trans_b; else op(B)^T, shape (n, k)
     the D array is D^T, shape (n, m)  (d_row_major: D, shape (m, n))
 
-`compress(a, gemm)` turns the dense 2:4 A array into cuSPARSELt's opaque compressed form,
-under the plan of that GEMM (the layout depends on the plan's algorithm), as a uint8 buffer of
+`compress(a, gemm)` turns the dense 2:4 A array into cuSPARSELt's opaque compressed form
+(the library's `cusparseLtSpMMACompress2`: by A's descriptor, independent of the algorithm
+that multiplies; compression.py decides where s24jax writes it instead), as a uint8 buffer of
 the bound rules.py gives (9/16 of A's bytes for 16-bit types, 10/16 for 8-bit: half the values
 and 2 bits per kept value; the handler checks the library's own size against it);
-`spmm(a_compressed, b, gemm, ...)` multiplies. Both are `jax.ffi.ffi_call`s of the targets
+`spmm(a_compressed, b, gemm, ..., alg=)` multiplies, under a given algorithm (algorithms.py)
+or the library's default. Both are `jax.ffi.ffi_call`s of the targets
 that library.register() builds and registers. Every GEMM is checked against the library's
 rules first (rules.py: types, layouts, dimensions), so one it would refuse fails at trace
 time, on any machine, with an error naming the rule.
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +43,9 @@ from .. import _common
 from . import layout
 from . import library
 from . import rules
+
+if TYPE_CHECKING:   # algorithms.py imports this module
+  from . import algorithms
 
 BACKEND_ELSEWHERE = "xla"
 _DTYPE_NAMES = {jnp.dtype(jnp.bfloat16): "bf16", jnp.dtype(jnp.float16): "f16",
@@ -140,7 +146,10 @@ def dtype_name(dtype) -> str:
 
 def compress(a: jax.Array, gemm: Gemm, *, b_dtype, d_dtype) -> jax.Array:
   """cuSPARSELt's compressed form of the dense 2:4 A array (shape gemm.a_shape()) for `gemm`
-  with B in `b_dtype` and D in `d_dtype`: uint8 (gemm.compressed_bytes(A's dtype),)."""
+  with B in `b_dtype` and D in `d_dtype`: uint8 (gemm.compressed_bytes(A's dtype),). The
+  form depends on A alone (its shape, dtype and gemm.trans_a), not on the algorithm, so one
+  compression serves spmm under any `alg`; the B and D dtypes are checked against the
+  library's rules and carried in the call, so that the HLO names the whole GEMM."""
   if tuple(a.shape) != gemm.a_shape():
     raise ValueError(f"cusparselt compress: A has shape {tuple(a.shape)}, the GEMM "
                      f"{gemm} needs {gemm.a_shape()}")
@@ -157,9 +166,12 @@ def compress(a: jax.Array, gemm: Gemm, *, b_dtype, d_dtype) -> jax.Array:
   return call(a, **gemm.attrs(), b_dtype=dtype_name(b_dtype), d_dtype=dtype_name(d_dtype))
 
 
-def spmm(a_compressed: jax.Array, b: jax.Array, gemm: Gemm, *, a_dtype, out_dtype) -> jax.Array:
+def spmm(a_compressed: jax.Array, b: jax.Array, gemm: Gemm, *, a_dtype, out_dtype,
+         alg: algorithms.Algorithm | None = None) -> jax.Array:
   """D = op(A) op(B) (module docstring) from `compress`'s output; the D array, shape
-  gemm.d_shape(), in `out_dtype` (float32 accumulation)."""
+  gemm.d_shape(), in `out_dtype` (float32 accumulation). `alg` is the library's algorithm
+  for it (kernels/cusparselt/algorithms.py: `search` finds one); None: the library's default
+  selection. The stand-in ignores `alg` (it has one arithmetic)."""
   if tuple(b.shape) != gemm.b_shape():
     raise ValueError(f"cusparselt spmm: B has shape {tuple(b.shape)}, the GEMM {gemm} "
                      f"needs {gemm.b_shape()}")
@@ -181,7 +193,10 @@ def spmm(a_compressed: jax.Array, b: jax.Array, gemm: Gemm, *, a_dtype, out_dtyp
   library.register()
   call = jax.ffi.ffi_call("cusparselt_spmm", jax.ShapeDtypeStruct(gemm.d_shape(), out_dtype),
                           vmap_method="sequential")
-  return call(a_compressed, b, **gemm.attrs(), a_dtype=dtype_name(a_dtype))
+  # algorithms.py imports this module, so the algorithm comes as its attrs(), not its class.
+  alg_attrs = library.ALGORITHM_DEFAULTS if alg is None else alg.attrs()
+  return call(a_compressed, b, **gemm.attrs(), a_dtype=dtype_name(a_dtype),
+              **{name: np.int64(value) for name, value in alg_attrs.items()})
 
 
 # ---------------------------------------------------------------------------------------------

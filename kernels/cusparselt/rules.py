@@ -200,13 +200,14 @@ def _attrs(text: str) -> dict[str, object]:
 
 
 def audit_hlo(text: str) -> list[dict[str, object]]:
-  """Every cuSPARSELt call in an optimized HLO module's text: its target, GEMM, types and
+  """Every cuSPARSELt compress and spmm call in an optimized HLO module's text (a search
+  writes no GEMM, only the algorithm it found): its target, GEMM, types and
   the rule it breaks ('violation', None if it keeps them all; `check` and, for a compress,
   the compressed buffer's size R9)."""
   calls = []
   for line in text.splitlines():
     match = _CALL.search(line)
-    if not match:
+    if not match or match["target"] == "cusparselt_search":   # finds an algorithm: no GEMM out
       continue
     attrs = _attrs(match["attrs"])
     operands = [o.split("[")[0].strip() for o in re.findall(r"\w+\[[^\]]*\]", match["ops"])]

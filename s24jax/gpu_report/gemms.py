@@ -36,7 +36,7 @@ from s24jax.kernels import masks
 from s24jax.kernels import timing
 from s24jax.kernels.cusparselt import ops as cusparselt
 from s24jax.sparse_ops import common
-from s24jax.sparse_ops import cusparselt as cslt
+from s24jax.sparse_ops import cusparselt_gemms as cslt
 
 WIDTHS = (768, 1024, 1600, 2048, 4096, 8192)
 TOKENS = (8192, 65536)

@@ -63,90 +63,13 @@ from s24jax.kernels import masks
 from s24jax.kernels.cusparselt import compression
 from s24jax.kernels.cusparselt import library
 from s24jax.kernels.cusparselt import ops as cusparselt
-from s24jax.kernels.cusparselt import rules
 from s24jax.sparse_ops import backend as backend_lib
 from s24jax.sparse_ops import common
+from s24jax.sparse_ops import cusparselt_gemms as gemms
 from s24jax.sparse_ops import gemm_choice
 from s24jax.sparse_ops import gemm_times
 from s24jax.sparse_ops import xla
 from s24jax.sparse_ops.options import GemmOptions
-
-# The FP8 format of both operands of the backward GEMMs that 'auto' picks here (R1: one type
-# per GEMM; dY wants e5m2's range).
-FP8_BACKWARD = "e5m2"
-
-
-def check(opts: GemmOptions) -> None:
-  if opts.fp8 and opts.fp8_backward_operands != FP8_BACKWARD:
-    raise ValueError(
-        f"sparsity.backend='cusparselt' with sparsity.fp8 needs "
-        f"sparsity.fp8_backward_operands='{FP8_BACKWARD}' (or 'auto', which picks it), not "
-        f"{opts.fp8_backward_operands!r}: cuSPARSELt takes one FP8 type per GEMM "
-        "(kernels/cusparselt/rules.py, R1), and the data and weight gradients' dY is e5m2, so "
-        "W~ and x join it in e5m2 (as the S-STE reference does). 'e4m3' (W~ and x in e4m3, "
-        "dY in e5m2) runs on sparsity.backend='xla'.")
-
-
-def formats(opts: GemmOptions):
-  """(forward format, backward format): the FP8 dtypes of the GEMMs' operands, or
-  (None, None) without FP8 (the operands stay in the compute dtype)."""
-  if not opts.fp8:
-    return None, None
-  return fp8_lib.E4M3, common.backward_format(opts)
-
-
-def _k_major_only(dtype) -> bool:
-  """Whether cuSPARSELt takes operands of `dtype` in the TN layout only (rules R3)."""
-  return rules.rule(cusparselt.dtype_name(dtype)).k_major_only
-
-
-def fwd_gemm(t: int, n: int, k: int) -> cusparselt.Gemm:
-  """y^T (N, T) = W~ (N x K, 2:4 along K) x^T: TN, A = W~ (N, K), B = x (T, K)."""
-  return cusparselt.Gemm(m=n, n=t, k=k, trans_a=True, trans_b=False)
-
-
-def dgrad_gemm(t: int, n: int, k: int, tn: bool) -> cusparselt.Gemm:
-  """dX^T (K, T) = W~^T (K x N, 2:4 along N) dY^T, B = dY (T, N). TN: A = W~^T (K, N)
-  materialized; NN: A = W~ (N, K) itself."""
-  return cusparselt.Gemm(m=k, n=t, k=n, trans_a=tn, trans_b=False)
-
-
-def wgrad_gemm(t: int, n: int, k: int, tn: bool) -> cusparselt.Gemm:
-  """dW (N, K), row-major D, = MVUE(dY^T) (N x T, 2:4 along T) x, A = the estimate (N, T).
-  TN: B = x^T (K, T) materialized; TT: B = x (T, K) itself."""
-  return cusparselt.Gemm(m=n, n=k, k=t, trans_a=True, trans_b=not tn, d_row_major=True)
-
-
-def quantize(a: jax.Array, fmt, opts: GemmOptions):
-  """(a in `fmt` with its per-tensor scale (the whole tensor's under shard_map), scale); a
-  itself and None without FP8."""
-  if fmt is None:
-    return a, None
-  return fp8_lib.quantize(a, fmt, common.fp8_scale(a, fmt, opts))
-
-
-def out_dtype(fmt, compute_dtype):
-  return jnp.float32 if fmt is not None else compute_dtype
-
-
-def compressed_gemm(compressed: jax.Array, a_dtype, a_scale, b: jax.Array,
-                    gemm: cusparselt.Gemm, opts: GemmOptions, fmt) -> jax.Array:
-  """The D array (gemm.d_shape()) float32 of an A compressed beforehand times the B array
-  (quantized here in `fmt` under FP8, both scales applied to the float32 result)."""
-  qb, sb = quantize(b, fmt, opts)
-  d = cusparselt.spmm(compressed, qb, gemm, a_dtype=a_dtype,
-                      out_dtype=out_dtype(fmt, b.dtype)).astype(jnp.float32)
-  return d if fmt is None else d * ((1.0 / a_scale) * (1.0 / sb))
-
-
-def sparse_gemm(a: jax.Array, b: jax.Array, gemm: cusparselt.Gemm, opts: GemmOptions,
-                fmt) -> jax.Array:
-  """`compressed_gemm` with A compressed here (quantized first under FP8)."""
-  qa, sa = quantize(a, fmt, opts)
-  compressed = compression.compress(qa, gemm, b_dtype=qa.dtype,
-                                    d_dtype=out_dtype(fmt, b.dtype))
-  return compressed_gemm(compressed, qa.dtype, sa, b, gemm, opts, fmt)
-
 
 # ---------------------------------------------------------------------------------------------
 # Which GEMMs run on cuSPARSELt (sparsity.gemm_choice, gemm_choice.py).
@@ -154,29 +77,13 @@ def sparse_gemm(a: jax.Array, b: jax.Array, gemm: cusparselt.Gemm, opts: GemmOpt
 _WHAT = {"forward": "y = x W~^T", "dgrad": "dX = dY W~", "wgrad": "dW~ = MVUE(dY^T) x"}
 
 
-def _operand_types(kind: str, opts: GemmOptions, dtype):
-  """(FP8 format or None, the sparse operand's dtype, D's dtype) of the GEMM `kind` in the
-  compute dtype `dtype`."""
-  fwd_fmt, bwd_fmt = formats(opts)
-  fmt = fwd_fmt if kind == "forward" else bwd_fmt
-  return fmt, dtype if fmt is None else fmt, out_dtype(fmt, dtype)
-
-
-def dgrad_tn(t: int, n: int, k: int, a_dtype) -> bool:
-  """Whether dX's GEMM takes W~^T (K, N) as its A (TN) rather than W~ itself (NN): for 8-bit
-  types (R3), and wherever s24jax compresses W~^T (its layouts are TN only; it writes W~^T
-  from W~ in the same pass, kernels/cusparselt/compression.py)."""
-  return _k_major_only(a_dtype) or compression.s24jax_layout(
-      dgrad_gemm(t, n, k, True), a_dtype) is not None
-
-
 def _gemm(kind: str, t: int, n: int, k: int, a_dtype) -> cusparselt.Gemm:
   """The library's GEMM `kind` of a layer W~ (n, k) at t tokens, as the op runs it."""
   if kind == "forward":
-    return fwd_gemm(t, n, k)
+    return gemms.fwd_gemm(t, n, k)
   if kind == "dgrad":
-    return dgrad_gemm(t, n, k, dgrad_tn(t, n, k, a_dtype))
-  return wgrad_gemm(t, n, k, _k_major_only(a_dtype))
+    return gemms.dgrad_gemm(t, n, k, gemms.dgrad_tn(t, n, k, a_dtype))
+  return gemms.wgrad_gemm(t, n, k, gemms.k_major_only(a_dtype))
 
 
 @functools.cache
@@ -190,7 +97,7 @@ def _library_version() -> str:
 
 def gemm_key(kind: str, t: int, n: int, k: int, dtype, opts: GemmOptions) -> gemm_times.Key:
   """The measurement key of the GEMM `kind` of a layer W~ (n, k) at t tokens per device."""
-  _, a_dtype, d_dtype = _operand_types(kind, opts, dtype)
+  _, a_dtype, d_dtype = gemms.operand_types(kind, opts, dtype)
   g = _gemm(kind, t, n, k, a_dtype)
   return gemm_times.Key(
       **gemm_times.device_fields(_common.target_device()), library="cusparselt",
@@ -238,7 +145,7 @@ def measure_times(kind: str, t: int, n: int, k: int, dtype,
   compression (FP8: with the quantization), and the dense XLA GEMM the backend runs instead
   (gemm_times.per_call_ms), on random operands, outside the step being traced."""
   opts = dataclasses.replace(opts, token_axes=())   # one device, outside shard_map
-  fmt, a_dtype, d_dtype = _operand_types(kind, opts, dtype)
+  fmt, a_dtype, d_dtype = gemms.operand_types(kind, opts, dtype)
   gemm = _gemm(kind, t, n, k, a_dtype)
 
   def run() -> gemm_times.Times:
@@ -257,13 +164,13 @@ def measure_times(kind: str, t: int, n: int, k: int, dtype,
     source = a.T if transposed else a
 
     def compress(src):
-      qa, _ = quantize(src.T if transposed else src, fmt, opts)
+      qa, _ = gemms.quantize(src.T if transposed else src, fmt, opts)
       return compression.compress(qa, gemm, b_dtype=a_dtype, d_dtype=d_dtype)
 
-    _, a_scale = quantize(a, fmt, opts)
+    _, a_scale = gemms.quantize(a, fmt, opts)
 
     def spmm(compressed, b):
-      return compressed_gemm(compressed, a_dtype, a_scale, b, gemm, opts, fmt)
+      return gemms.compressed_gemm(compressed, a_dtype, a_scale, b, gemm, opts, fmt)
 
     dev = jax.devices()[0]
     return gemm_times.Times(
@@ -285,7 +192,7 @@ def prepare(w: jax.Array, *, tokens: int, dtype, opts: GemmOptions,
   outside the accumulation loop, so that no micro-batch and no recomputed forward compresses
   W~ again."""
   n, k = w.shape
-  fwd_fmt, bwd_fmt = formats(opts)
+  fwd_fmt, bwd_fmt = gemms.formats(opts)
   cusparselt.check_device(dtype if fwd_fmt is None else fwd_fmt)
   share = 1.0 / micro_batches
   w = jax.lax.stop_gradient(w).astype(dtype)
@@ -293,15 +200,17 @@ def prepare(w: jax.Array, *, tokens: int, dtype, opts: GemmOptions,
   if choose("forward", tokens, n, k, dtype, opts, share).sparse:
     # W~ is replicated (the FSDP all-gather): its own amax is the global one.
     qw, sw = (w, None) if fwd_fmt is None else fp8_lib.quantize(w, fwd_fmt)
-    prepared["fwd"] = compression.compress(qw, fwd_gemm(tokens, n, k), b_dtype=qw.dtype,
-                                           d_dtype=out_dtype(fwd_fmt, dtype))
+    prepared["fwd"] = compression.compress(qw, gemms.fwd_gemm(tokens, n, k),
+                                           b_dtype=qw.dtype,
+                                           d_dtype=gemms.out_dtype(fwd_fmt, dtype))
     if sw is not None:
       prepared["fwd_scale"] = sw
   if choose("dgrad", tokens, n, k, dtype, opts, share).sparse:   # transposable masks only
     qd, sd = (w, None) if bwd_fmt is None else fp8_lib.quantize(w, bwd_fmt)
-    tn = dgrad_tn(tokens, n, k, qd.dtype)
-    prepared["dx"] = compression.compress(qd.T if tn else qd, dgrad_gemm(tokens, n, k, tn),
-                                          b_dtype=qd.dtype, d_dtype=out_dtype(bwd_fmt, dtype))
+    tn = gemms.dgrad_tn(tokens, n, k, qd.dtype)
+    prepared["dx"] = compression.compress(qd.T if tn else qd,
+                                          gemms.dgrad_gemm(tokens, n, k, tn), b_dtype=qd.dtype,
+                                          d_dtype=gemms.out_dtype(bwd_fmt, dtype))
     if sd is not None:
       prepared["dx_scale"] = sd
   return prepared
@@ -317,12 +226,13 @@ def linear_2d(opts: GemmOptions, x: jax.Array, w: jax.Array, key: jax.Array | No
               prepared: dict) -> jax.Array:
   t, k = x.shape
   n = w.shape[0]
-  fmt, _ = formats(opts)
+  fmt, _ = gemms.formats(opts)
   if "fwd" in prepared:
-    y = compressed_gemm(prepared["fwd"], _a_dtype(fmt, x), prepared.get("fwd_scale"), x,
-                        fwd_gemm(t, n, k), opts, fmt)                    # (T, N)
+    y = gemms.compressed_gemm(prepared["fwd"], _a_dtype(fmt, x), prepared.get("fwd_scale"),
+                              x, gemms.fwd_gemm(t, n, k), opts, fmt)       # (T, N)
   elif choose("forward", t, n, k, x.dtype, opts, 1.0).sparse:
-    y = sparse_gemm(w.astype(x.dtype), x, fwd_gemm(t, n, k), opts, fmt)  # (T, N)
+    y = gemms.sparse_gemm(w.astype(x.dtype), x, gemms.fwd_gemm(t, n, k), opts,
+                          fmt)                                             # (T, N)
   else:
     y = common.fwd_gemm(x, w.astype(x.dtype), opts)                      # (T, N), dense
   return y.astype(x.dtype)
@@ -339,24 +249,24 @@ def _fwd(opts, x, w, key, prepared):
 def _bwd(opts, res, dy):
   x, w, key, prepared = res
   (t, k), n = x.shape, w.shape[0]
-  _, fmt = formats(opts)
+  _, fmt = gemms.formats(opts)
   dy = dy.astype(x.dtype)
-  tn_dx = dgrad_tn(t, n, k, _a_dtype(fmt, x))
-  tn = _k_major_only(_a_dtype(fmt, x))
+  tn_dx = gemms.dgrad_tn(t, n, k, _a_dtype(fmt, x))
+  tn = gemms.k_major_only(_a_dtype(fmt, x))
   if "dx" in prepared:   # (transposable masks only)
-    dx = compressed_gemm(prepared["dx"], _a_dtype(fmt, x), prepared.get("dx_scale"), dy,
-                         dgrad_gemm(t, n, k, tn_dx), opts, fmt)            # (T, K)
+    dx = gemms.compressed_gemm(prepared["dx"], _a_dtype(fmt, x), prepared.get("dx_scale"),
+                               dy, gemms.dgrad_gemm(t, n, k, tn_dx), opts, fmt)   # (T, K)
   elif choose("dgrad", t, n, k, x.dtype, opts, 1.0).sparse:
     wd = w.astype(x.dtype)
-    dx = sparse_gemm(wd.T if tn_dx else wd, dy, dgrad_gemm(t, n, k, tn_dx), opts,
-                     fmt)                                                  # (T, K)
+    dx = gemms.sparse_gemm(wd.T if tn_dx else wd, dy, gemms.dgrad_gemm(t, n, k, tn_dx),
+                           opts, fmt)                                      # (T, K)
   else:
     dx = common.dgrad_gemm(dy, w.astype(dy.dtype), opts)                   # (T, K), dense
   if opts.mvue:   # the point of MVUE: dW = MVUE(dY^T) x, 2:4 along the tokens
     est = common.wgrad_operand(dy, key, opts)                              # (N, T)
     if choose("wgrad", t, n, k, x.dtype, opts, 1.0).sparse:
-      dw = sparse_gemm(est, x.T if tn else x, wgrad_gemm(t, n, k, tn), opts,
-                       fmt)                                                # (N, K)
+      dw = gemms.sparse_gemm(est, x.T if tn else x, gemms.wgrad_gemm(t, n, k, tn), opts,
+                             fmt)                                          # (N, K)
     else:
       dw = common.wgrad_product(est, x, opts)                              # (N, K), dense
   else:
@@ -409,12 +319,12 @@ def _devices() -> int:
 def linear(opts, x, w, key, prepared):
   """The op; a layer none of whose GEMMs runs on cuSPARSELt is the 'xla' reference itself."""
   t, (n, k) = x.shape[0] // _devices(), w.shape
-  fwd_fmt, _ = formats(opts)
+  fwd_fmt, _ = gemms.formats(opts)
   cusparselt.check_device(x.dtype if fwd_fmt is None else fwd_fmt)
   if not prepared and not any(c.sparse for c in choices(opts, (n, k), t, x.dtype, 1)):
     return xla.linear_2d(opts, x, w, key)
   return per_device(linear_2d, opts)(x, w, key, dict(prepared))
 
 
-BACKEND = backend_lib.Backend(linear=linear, prepare=prepare, check=check,
-                              fp8_backward=FP8_BACKWARD, choices=choices)
+BACKEND = backend_lib.Backend(linear=linear, prepare=prepare, check=gemms.check,
+                              fp8_backward=gemms.FP8_BACKWARD, choices=choices)

@@ -1,20 +1,31 @@
-"""Tests of s24jax.kernels.cusparselt (library.py: the FFI handlers' build and registration;
-ops.py: the Gemm convention, `compress` / `spmm` and their jnp stand-in).
+"""Tests of s24jax.kernels.cusparselt (library.py: the FFI handlers' build and registration,
+which libcusparseLt serves them, the pinned version; ops.py: the Gemm convention,
+`compress` / `spmm` and their jnp stand-in).
 
 The stand-in is checked against NumPy products written from ops.py's column-major
 convention (op(A) op(B), each array read as the docstring says); the shapes cuSPARSELt cannot
 take and the device check against their documented errors; the library build (g++ against
 jaxlib's FFI headers and the cuSPARSELt wheels, no GPU needed) by the symbols of the built
-file; on a GPU (`gpu`), the real handlers against the stand-in. The sparse op's backend built
-on these calls: tests/sparse_ops/test_cusparselt_backend.py. The handlers' scratch under XLA's
-FFI contract: tests/kernels/test_cusparselt_scratch.py.
+file; the handlers' bindings by calling them on the CPU, where decoding stops only at the
+missing GPU stream; which library serves, against the wheel's header and file; on a GPU
+(`gpu`), the real handlers against the stand-in. The sparse op's backend built on these calls:
+tests/sparse_ops/test_cusparselt_backend.py. The handlers' scratch under XLA's FFI contract:
+tests/kernels/test_cusparselt_scratch.py. The algorithms: test_cusparselt_algorithms.py.
 
 FP8 on a GPU: the library's tensor cores accumulate with 14 significant bits and truncate, so
 the FP8 handlers are compared with the exact product within `fp8_gemm_error_bound`
 (kernels/_testing.py, derived from that arithmetic); a CPU test checks that bound against a
 model of the accumulation and against the mistakes it must still catch.
 """
+import ctypes
+import importlib.metadata
+import importlib.util
+import json
+import os
+import pathlib
+import re
 import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +38,7 @@ from s24jax.kernels._testing import assert_within_bound
 from s24jax.kernels._testing import bound_violations
 from s24jax.kernels._testing import fp8_gemm_error_bound
 from s24jax.kernels._testing import np_fp8_tensor_core_matmul
+from s24jax.kernels.cusparselt import algorithms
 from s24jax.kernels.cusparselt import library
 from s24jax.kernels.cusparselt import ops as cusparselt
 
@@ -63,9 +75,10 @@ def test_standin_follows_the_column_major_convention(trans_a, trans_b):
 
 
 def test_standin_compression_keeps_a_24_operand_and_drops_what_is_not():
-  """The stand-in's buffer holds a real 2:4 compression: a 2:4 operand comes back exactly
-  (bf16, e4m3; read back as A I, a GEMM with the identity), and a dense one loses the two
-  smallest magnitudes of each group of 4, as the library's compression would."""
+  """The stand-in's buffer holds a real 2:4 compression (kernels/cusparselt/layout.py): a 2:4
+  operand comes back exactly (bf16, e4m3; read back as A I, a GEMM with the identity), and a
+  dense one keeps only the two lowest-indexed entries of each group of 4 (layout.py's rule for
+  an operand that is not 2:4: what the library does with one is not documented)."""
   g = cusparselt.Gemm(m=32, n=64, k=64, trans_a=True, trans_b=False)   # D^T = (A I)^T
 
   def round_trip(a, dtype, d_dtype):
@@ -77,9 +90,11 @@ def test_standin_compression_keeps_a_24_operand_and_drops_what_is_not():
   for dtype, d_dtype in ((jnp.bfloat16, jnp.bfloat16), (jnp.float8_e4m3fn, jnp.float32)):
     a = _sparse(2, g.a_shape(), dtype)
     np.testing.assert_array_equal(round_trip(a, dtype, d_dtype), np.asarray(a, np.float32))
-  dense = _normal(3, g.a_shape()).astype(jnp.bfloat16)
-  want = np.where(np.asarray(masks.nm_mask(dense)), np.asarray(dense, np.float32), 0)
-  np.testing.assert_array_equal(round_trip(dense, jnp.bfloat16, jnp.bfloat16), want)
+  dense = np.asarray(_normal(3, g.a_shape()).astype(jnp.bfloat16), np.float32)
+  assert (dense != 0).all()
+  want = np.where(np.arange(g.k) % 4 < 2, dense, 0)              # positions 0 and 1 kept
+  np.testing.assert_array_equal(round_trip(jnp.asarray(dense, jnp.bfloat16), jnp.bfloat16,
+                                           jnp.bfloat16), want)
 
 
 def test_gemms_the_library_refuses_are_refused_naming_the_rule():
@@ -103,24 +118,33 @@ def test_off_a_gpu_it_names_the_backend_that_runs():
                         d_dtype=jnp.bfloat16)
 
 
-@pytest.mark.slow   # g++ builds the handlers (a subprocess)
-def test_the_library_builds_and_registers_without_a_gpu(tmp_path, monkeypatch):
-  """The real handlers: compiled with g++ against jaxlib's FFI headers and the wheels, cached
-  by version, registered for CUDA. Skipped, saying why, where the wheels are not installed."""
+def _toolchain_or_skip():
   try:
-    tools = library.toolchain()
+    return library.toolchain()
   except library.Unavailable as e:
     assert library.INSTALL_HINT in str(e)
     pytest.skip(f"cuSPARSELt wheels not installed: {e}")
+
+
+@pytest.mark.slow   # g++ builds the handlers (a subprocess)
+def test_the_library_builds_and_registers_without_a_gpu(tmp_path, monkeypatch):
+  """The real handlers: compiled with g++ against jaxlib's FFI headers and the wheels, cached
+  by version, registered for CUDA: the three targets (compress, spmm, search) and the plain C
+  function that names the serving library. Skipped, saying why, without the wheels."""
+  tools = _toolchain_or_skip()
   monkeypatch.setenv("S24JAX_CACHE", str(tmp_path))
   path = library.build()
   assert path.exists() and path.parent == tmp_path / "cusparselt"
   assert f"cusparselt{tools.cusparselt_version}" in path.name and jaxlib.__version__ in path.name
   mtime = path.stat().st_mtime
   assert library.build() == path and path.stat().st_mtime == mtime   # cached, not rebuilt
-  symbols = subprocess.run(["nm", "-D", str(path)], capture_output=True, text=True).stdout
-  for symbol in library.TARGETS.values():
-    assert symbol in symbols
+  symbols = subprocess.run(["nm", "-D", "--defined-only", str(path)], capture_output=True,
+                           text=True).stdout.split()
+  assert sorted(library.TARGETS) == ["cusparselt_compress", "cusparselt_search",
+                                     "cusparselt_spmm"]
+  assert all(target.startswith(library.PREFIX) for target in library.TARGETS)
+  for symbol in (*library.TARGETS.values(), library.SERVING_SYMBOL):
+    assert symbol in symbols, symbol
   library.register.cache_clear()
   library.register()
 
@@ -129,6 +153,148 @@ def test_a_missing_wheel_or_compiler_is_one_clear_error(monkeypatch):
   monkeypatch.setattr(library.importlib.util, "find_spec", lambda name: None)
   with pytest.raises(library.Unavailable, match=r"pip install -r requirements-gpu.txt"):
     library.toolchain()
+
+
+# ---------------------------------------------------------------------------------------------
+# Which libcusparseLt serves, and the pinned version.
+
+_SERVING = """
+import json
+from s24jax.kernels.cusparselt import library
+serving = library.serving()
+print(json.dumps({"serving": serving, "mapped": library.mapped_files()}))
+"""
+
+
+def _wheel_file_and_header_version() -> tuple[str, str]:
+  """The wheel's libcusparseLt file and its header's CUSPARSELT_VER_* version, found here
+  from the installed nvidia package (not through library.py)."""
+  spec = importlib.util.find_spec("nvidia")
+  for folder in spec.submodule_search_locations if spec else []:
+    lib = pathlib.Path(folder, "cu13", "lib", "libcusparseLt.so.0")
+    header = pathlib.Path(folder, "cu13", "include", "cusparseLt.h")
+    if lib.exists() and header.exists():
+      parts = [re.search(rf"#define CUSPARSELT_VER_{p}\s+(\d+)", header.read_text()).group(1)
+               for p in ("MAJOR", "MINOR", "PATCH")]
+      return os.path.realpath(lib), ".".join(parts)
+  pytest.skip("the nvidia-cusparselt-cu13 wheel is not installed")
+
+
+def test_serving_names_the_wheels_library_and_version_without_a_gpu():
+  """In a fresh process that loads no other cuSPARSELt, with every GPU hidden: the handler
+  library's own answer (cusparseLtGetProperty and dladdr) is the wheel's file and the
+  version its header states, and that file is the one libcusparseLt mapped."""
+  _toolchain_or_skip()
+  wheel_file, header_version = _wheel_file_and_header_version()
+  run = subprocess.run([sys.executable, "-c", _SERVING], capture_output=True, text=True,
+                       timeout=300, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+  assert run.returncode == 0, run.stderr[-3000:]
+  out = json.loads(run.stdout.strip().splitlines()[-1])
+  assert out["serving"] == {"path": wheel_file, "version": header_version}
+  assert [os.path.realpath(p) for p in out["mapped"]] == [wheel_file]
+
+
+def test_files_in_maps_reads_a_maps_text():
+  """Paths with spaces, deleted files, duplicates (one mapping per segment), other libraries
+  whose names only begin alike, anonymous and special mappings."""
+  maps = "\n".join([
+      "7f00-7f01 r--p 00000000 08:01 101   /opt/a b/libcusparseLt.so.0",
+      "7f01-7f02 r-xp 00001000 08:01 101   /opt/a b/libcusparseLt.so.0",
+      "7f02-7f03 r--p 00000000 08:01 102   /usr/lib/libcusparse.so.12",
+      "7f03-7f04 r--p 00000000 08:01 103   /tmp/old/libcusparseLt.so.0.8 (deleted)",
+      "7f04-7f05 rw-p 00000000 00:00 0 ",
+      "7f05-7f06 rw-p 00000000 00:00 0   [heap]",
+      "7f06-7f07 r--p 00000000 08:01 104   /site/torch/lib/libcusparseLt-f8b4a9fb.so.0",
+  ])
+  assert library.files_in_maps(maps, "libcusparseLt") == [
+      "/opt/a b/libcusparseLt.so.0", "/site/torch/lib/libcusparseLt-f8b4a9fb.so.0",
+      "/tmp/old/libcusparseLt.so.0.8"]
+  assert library.files_in_maps(maps, "libnothing") == []
+
+
+def test_pinned_version_reads_the_requirements_pin(tmp_path):
+  good = tmp_path / "good.txt"
+  good.write_text("# cuSPARSELt\n# nvidia-cusparselt-cu13==0.1.0 (old)\nnumpy>=1\n"
+                  "nvidia_cusparselt_cu13 == 0.11.2 ; sys_platform == 'linux'\n")
+  assert library.pinned_version(good) == "0.11.2"
+  two = tmp_path / "two.txt"
+  two.write_text("nvidia-cusparselt-cu13==0.10.0\nnvidia-cusparselt-cu13==0.11.0\n")
+  none = tmp_path / "none.txt"
+  none.write_text("nvidia-cusparselt-cu12==0.10.0\nnvidia-cusparselt-cu13>=0.10\n")
+  for path, why in ((two, r"pins \['0.10.0', '0.11.0'\]"), (none, "has no such pin"),
+                    (tmp_path / "missing.txt", "cannot read")):
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}: .*{why}") as e:
+      library.pinned_version(path)
+    assert "nvidia-cusparselt-cu13==X.Y.Z" in str(e.value) and "\n" not in str(e.value)
+  # The repository's own pin is the installed wheel's version (CI installs the pin).
+  try:
+    installed = importlib.metadata.version("nvidia-cusparselt-cu13")
+  except importlib.metadata.PackageNotFoundError:
+    pytest.skip("the nvidia-cusparselt-cu13 wheel is not installed")
+  assert library.pinned_version() == installed
+
+
+# ---------------------------------------------------------------------------------------------
+# The handlers' bindings, on the CPU: XLA decodes a handler's operands, results, attributes
+# and context before it runs it, and reports every mismatch at once. Registered for the host
+# too (under other names), the CUDA handlers fail there only at XLA's GPU stream, which the
+# CPU lacks, when the call carries exactly the attributes and types they bind.
+
+_HOST = "s24jax_test_host_"
+
+
+@pytest.fixture(scope="module")
+def host_targets():
+  """The handlers registered for the CPU as _HOST + target."""
+  _toolchain_or_skip()
+  handlers = ctypes.CDLL(str(library.register()))
+  for target, symbol in library.TARGETS.items():
+    jax.ffi.register_ffi_target(_HOST + target, jax.ffi.pycapsule(getattr(handlers, symbol)),
+                                platform="cpu")
+
+
+def _decode_errors(monkeypatch, call) -> list[str]:
+  """The errors of `call` (ops / algorithms code) run on the CPU with its FFI calls sent to
+  the host registrations."""
+  ffi_call = jax.ffi.ffi_call
+  monkeypatch.setattr(jax.ffi, "ffi_call", lambda target, *a, **k: ffi_call(_HOST + target,
+                                                                             *a, **k))
+  monkeypatch.setattr(cusparselt, "check_device", lambda *a, **k: None)
+  errors = []
+  for fn in call:
+    with pytest.raises(Exception) as e:   # pylint: disable=broad-exception-caught
+      jax.block_until_ready(fn())
+    errors.append(str(e.value))
+  return errors
+
+
+def _only_the_stream_failed(error: str) -> bool:
+  return ("stream" in error.lower() and
+          not re.search(r"attribute|mismatch|wrong|expected", error, re.I))
+
+
+def test_the_handlers_bind_what_ops_and_algorithms_pass(host_targets, monkeypatch):
+  """compress, spmm under an algorithm and the search, as the library code calls them: only
+  XLA's GPU stream is missing. The same check flags a call that drops an attribute or gives
+  the search's result the wrong type."""
+  del host_targets
+  g = cusparselt.Gemm(m=32, n=16, k=64, trans_a=True, trans_b=False)
+  a = jnp.zeros(g.a_shape(), jnp.float8_e4m3fn)
+  b = jnp.zeros(g.b_shape(), jnp.float8_e4m3fn)
+  c = jnp.zeros((g.compressed_bytes(a.dtype),), jnp.uint8)
+  kw = dict(a_dtype=a.dtype, out_dtype=jnp.float32)
+  errors = _decode_errors(monkeypatch, [
+      lambda: cusparselt.compress(a, g, b_dtype=b.dtype, d_dtype=jnp.float32),
+      lambda: cusparselt.spmm(c, b, g, **kw, alg=algorithms.Algorithm(3, 2, 1, 4)),
+      lambda: cusparselt.spmm(c, b, g, **kw),
+      lambda: algorithms.search_call(c, b, g, **kw)])
+  assert all(_only_the_stream_failed(e) for e in errors), errors
+  wrong = _decode_errors(monkeypatch, [
+      lambda: jax.ffi.ffi_call("cusparselt_spmm", jax.ShapeDtypeStruct(g.d_shape(), jnp.float32))(
+          c, b, **g.attrs(), a_dtype="e4m3", alg_id=np.int64(-1)),
+      lambda: jax.ffi.ffi_call("cusparselt_search", jax.ShapeDtypeStruct((5,), jnp.float32))(
+          c, b, **g.attrs(), a_dtype="e4m3", d_dtype="f32")])
+  assert not any(_only_the_stream_failed(e) for e in wrong), wrong
 
 
 # ---------------------------------------------------------------------------------------------

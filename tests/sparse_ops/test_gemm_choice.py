@@ -8,10 +8,18 @@ call: hand-computed cases); a GEMM marked slower runs the dense XLA GEMM, bit-id
 forced dense choice and to the 'xla' backend, a GEMM marked faster runs the stand-in (a spy
 on the compressions, by the GEMM's contraction dimension); `prepare` compresses only for a
 chosen 2:4 GEMM; off a GPU with no time the choice is dense, said in one warning; a
-measurement (of the stand-in: there is no GPU here) goes to the cache and comes back from it.
+measurement (of the stand-in: there is no GPU here) goes to the cache and comes back from it;
+the 2:4 kernel must win by more than the measurements' spread (hand-computed); a cache that
+cannot be written is one warning and the run goes on; evaluation looks up and measures only
+forward GEMMs; a table or value that the backend would ignore is one warning at validation;
+two processes (real ones, on CPU) make process 0's choice from different caches.
 """
 import json
 import logging
+import os
+import socket
+import subprocess
+import sys
 
 import flax
 import jax
@@ -24,7 +32,9 @@ from s24jax import model as model_lib
 from s24jax import sparse_linear
 from s24jax import sparse_ops
 from s24jax import train
+from s24jax import validate
 from s24jax.kernels import masks
+from s24jax.kernels.cusparselt import compression
 from s24jax.kernels.cusparselt import ops as cusparselt
 from s24jax.methods import registry
 from s24jax.run_spec import RunSpec
@@ -57,31 +67,35 @@ def _table(path, rows):
 def _bf16_rows(t, n, k, forward, dgrad, wgrad):
   """Table rows for a bf16 layer W~ (n, k) at t tokens, each GEMM given as (sparse_ms,
   compress_ms, dense_ms), keyed as docs/backends.md lays them out: forward TN on W~ (m = n,
-  n = t, k = k), dX NN on W~ (m = k, n = t, k = n), dW TT (m = n, n = k, k = t) with a
-  row-major D. No device or version fields: they match any."""
-  shapes = {"forward": (n, t, k, "TN", "col"), "dgrad": (k, t, n, "NN", "col"),
+  n = t, k = k), dX on W~^T (m = k, n = t, k = n; its layout left out: NN on W~ where the
+  library compresses it, TN on W~^T where s24jax does, kernels/cusparselt/compression.py),
+  dW TT (m = n, n = k, k = t) with a row-major D. No device or version fields: they match
+  any."""
+  shapes = {"forward": (n, t, k, "TN", "col"), "dgrad": (k, t, n, None, "col"),
             "wgrad": (n, k, t, "TT", "row")}
   rows = []
   for gemm, times in (("forward", forward), ("dgrad", dgrad), ("wgrad", wgrad)):
     if times is None:
       continue
     m, nn, kk, layout, order = shapes[gemm]
-    rows.append({"gemm": gemm, "m": m, "n": nn, "k": kk, "layout": layout, "d_order": order,
+    rows.append({"gemm": gemm, "m": m, "n": nn, "k": kk, "d_order": order,
+                 **({"layout": layout} if layout else {}),
                  "a_type": "bf16", "b_type": "bf16", "d_type": "bf16",
                  **dict(zip(gemm_times.TIME_FIELDS, times))})
   return rows
 
 
 def _spy(monkeypatch):
-  """The contraction dimension k of every stand-in compression (which GEMM it is for)."""
+  """The contraction dimension k of every compression (which GEMM it is for), by s24jax or
+  by the library's stand-in (kernels/cusparselt/compression.py)."""
   seen = []
-  real = cusparselt.compress
+  real = compression.compress
 
   def spy(a, gemm, **kw):
     seen.append(gemm.k)
     return real(a, gemm, **kw)
 
-  monkeypatch.setattr(cusparselt, "compress", spy)
+  monkeypatch.setattr(compression, "compress", spy)
   return seen
 
 
@@ -133,31 +147,6 @@ def test_valid_values_and_backends_that_cannot_honour_them():
   sparse_linear.SparsityConfig(method=ste, backend="tcgen05", gemm_choice="sparse")
   with pytest.raises(ValueError, match="consulted by sparsity.backend='cusparselt' only"):
     sparse_linear.SparsityConfig(method=ste, backend="tcgen05", gemm_choice="forward")
-
-
-def test_a_bad_table_is_one_line_naming_the_file_and_the_row(tmp_path):
-  ste = registry.get_method("ste")
-  good = _bf16_rows(TOKENS, OUT, IN, (1, 1, 1), None, None)
-  cases = {"missing.json": None,
-           "notjson.json": "{rows: ",
-           "noformat.json": json.dumps({"rows": good}),
-           "typo.json": json.dumps({"format": gemm_times.TABLE_FORMAT,
-                                    "rows": [{**good[0], "M": 3}]}),
-           "noms.json": json.dumps({"format": gemm_times.TABLE_FORMAT,
-                                    "rows": [{k: v for k, v in good[0].items()
-                                              if k != "dense_ms"}]}),
-           "strshape.json": json.dumps({"format": gemm_times.TABLE_FORMAT,
-                                        "rows": [{**good[0], "m": "64"}]})}
-  want = {"missing.json": "cannot be read", "notjson.json": "not readable as JSON",
-          "noformat.json": "format", "typo.json": "row 0: unknown field.*M",
-          "noms.json": "row 0: missing dense_ms", "strshape.json": "row 0: m must be an integer"}
-  for name, text in cases.items():
-    path = tmp_path / name
-    if text is not None:
-      path.write_text(text)
-    with pytest.raises(ValueError, match=want[name]) as e:
-      sparse_linear.SparsityConfig(method=ste, backend="cusparselt", gemm_table=str(path))
-    assert "\n" not in str(e.value) and str(path) in str(e.value)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,6 +229,51 @@ def test_the_most_specific_row_wins(tmp_path):
     assert c.times.sparse_ms == 3.0 and not c.sparse, c
 
 
+def test_the_2_4_kernel_must_win_by_more_than_the_spreads(tmp_path):
+  """Hand-computed, the forward (kernel 1.0, compression 2.0, dense 1.5 ms; spreads 0.05,
+  0.4, 0.05): at 1/8 of a compression per call 1.25 + margin 0.15 < 1.5, the 2:4 kernel; at
+  1/5, 1.4 is faster but 1.4 + 0.18 is not below 1.5: dense, where the same times without
+  spreads choose the 2:4 kernel; at 1/4, 1.5 is not faster at all."""
+  (row,) = _bf16_rows(TOKENS, OUT, IN, forward=(1.0, 2.0, 1.5), dgrad=None, wgrad=None)
+  spreads = {"sparse_spread_ms": 0.05, "compress_spread_ms": 0.4, "dense_spread_ms": 0.05}
+  with_spreads = _table(tmp_path / "spreads.json", [{**row, **spreads}])
+  without = _table(tmp_path / "without.json", [row])
+  opts = GemmOptions(mvue=True, transposable=True, backend="cusparselt", gemm_choice="measured")
+  key = cslt_backend.gemm_key("forward", TOKENS, OUT, IN, jnp.bfloat16, opts)
+
+  def choice(table, share):
+    return gemm_choice.choose("measured", table, key, compress_share=share)
+
+  c = choice(with_spreads, 1 / 8)
+  assert c.sparse and c.reason == "measured faster", c
+  assert "margin 0.15 ms" in c.describe(), c.describe()
+  c = choice(with_spreads, 1 / 5)
+  assert not c.sparse and c.reason == "measured faster by less than the margin", c
+  assert "margin 0.18 ms" in c.describe(), c.describe()
+  assert choice(without, 1 / 5).sparse
+  c = choice(with_spreads, 1 / 4)
+  assert not c.sparse and c.reason == "measured slower", c
+
+
+def test_a_cache_that_cannot_be_written_is_one_warning_and_the_run_goes_on(
+    tmp_path, monkeypatch, caplog):
+  """The cache's folder under a file (mkdir fails): each GEMM measured is chosen from its
+  measurement; one warning for the process naming the cache; nothing raised."""
+  blocker = tmp_path / "a_file"
+  blocker.write_text("")
+  monkeypatch.setenv("S24JAX_CACHE", str(blocker))
+  opts = GemmOptions(mvue=True, transposable=True, backend="cusparselt", gemm_choice="measured")
+  fast = gemm_times.Times(0.1, 0.0, 1.0, "fake measurement")
+  with caplog.at_level(logging.WARNING):
+    choices = [gemm_choice.choose("measured", "", cslt_backend.gemm_key(
+        kind, TOKENS, OUT, IN, jnp.bfloat16, opts), compress_share=1.0, measure=lambda: fast)
+               for kind in gemm_choice.KINDS]
+  assert all(c.sparse and c.times == fast for c in choices), choices
+  said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+  assert len(said) == 1 and "cannot be written" in said[0] and str(blocker) in said[0], said
+  assert "\n" not in said[0]
+
+
 def test_nothing_measured_is_dense_said_once(monkeypatch, caplog):
   """'measured' without a time for the GEMM, where nothing can be measured (the CPU; the
   stand-in on any machine): the dense GEMMs, exactly the 'xla' backend, no compression, and
@@ -294,7 +328,8 @@ def test_a_measurement_goes_to_the_cache_and_comes_back(tmp_path):
   again = gemm_choice.choose("measured", "", key, compress_share=1.0, measure=fail)
   assert again.times.source.startswith("cache")
   assert (again.times.sparse_ms, again.times.dense_ms) == (times.sparse_ms, times.dense_ms)
-  assert again.sparse == (times.sparse_ms + times.compress_ms < times.dense_ms)
+  assert again.sparse == (times.sparse_ms + times.compress_ms + times.sparse_spread_ms
+                          + times.compress_spread_ms + times.dense_spread_ms < times.dense_ms)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -363,9 +398,10 @@ def _compiled_step(backend, method, **sparsity) -> str:
   model = model_lib.GPT2(spec.model_cfg)
   state = train.fresh_state(model, spec.tx, 0)
   tok = jnp.zeros((8, 16), jnp.int32)
-  return train.train_step.lower(state, {"inputs": tok, "targets": tok}, model=model,
-                                tx=spec.tx(state.params, state.sparsity),
-                                accum_steps=2).compile().as_text()
+  compiled = train.train_step.lower(state, {"inputs": tok, "targets": tok}, model=model,
+                                    tx=spec.tx(state.params, state.sparsity),
+                                    accum_steps=2).compile()
+  return hlo_text.module_text(compiled)
 
 
 @pytest.mark.parametrize("method,sparsity", [
@@ -422,3 +458,125 @@ def test_a_failed_measurement_runs_dense_and_says_why(caplog):
   [warning] = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
   assert "dense XLA GEMM runs" in warning and "second line" not in warning
   assert gemm_times.find_times("", key) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation, validation, several processes.
+
+
+def test_evaluation_looks_up_and_measures_only_the_forward(monkeypatch):
+  """Tracing the eval step of the tiny Hu et al. model (transposable masks, MVUE): with a
+  measurement possible (faked: every GEMM measured slower), only forward GEMMs are looked
+  up or measured; tracing the train step of the same model measures all three kinds."""
+  measured, looked_up = [], []
+  real_choose, real_find = gemm_choice.choose, gemm_times.find_times
+
+  def with_fake_measure(value, table, key, **kw):
+    def measure():
+      measured.append(key.gemm)
+      return gemm_times.Times(1.0, 0.1, 0.5, "fake measurement")
+    return real_choose(value, table, key, **{**kw, "measure": measure})
+
+  monkeypatch.setattr(gemm_choice, "choose", with_fake_measure)
+  monkeypatch.setattr(gemm_times, "find_times",
+                      lambda table, key: looked_up.append(key.gemm) or real_find(table, key))
+  cfg, spec, model = _tiny("cusparselt", gemm_choice="measured")
+  state = train.fresh_state(model, spec.tx, 0)
+  tok = jnp.zeros((8, 16), jnp.int32)
+  batch = {"inputs": tok, "targets": tok}
+  with cusparselt.standin():
+    train.eval_step.lower(state.params, state.sparsity, batch, model=model)
+    assert measured and set(measured) == set(looked_up) == {"forward"}, (measured, looked_up)
+    gemm_choice.forget()
+    measured.clear()
+    train.train_step.lower(state, batch, model=model, tx=spec.tx(state.params, state.sparsity),
+                           accum_steps=int(cfg.grad_accum_steps))
+  assert set(measured) == set(gemm_choice.KINDS), measured
+
+
+@pytest.mark.parametrize("backend,sparsity,said", [
+    ("xla", {"gemm_table": True}, ["sparsity.gemm_table="]),
+    ("xla", {"gemm_choice": "dense"}, ["sparsity.gemm_choice='dense'"]),
+    ("pallas", {"gemm_choice": "sparse", "gemm_table": True},
+     ["sparsity.gemm_table=", "sparsity.gemm_choice='sparse'"]),
+    ("xla", {}, None),
+    ("cusparselt", {"gemm_choice": "dense", "gemm_table": True}, None)])
+def test_a_table_or_choice_the_backend_ignores_is_one_warning(tmp_path, caplog, backend,
+                                                             sparsity, said):
+  """At validation: one line naming the settings and the backend that would use them; none
+  where nothing is set or the backend consults the choice."""
+  if sparsity.get("gemm_table"):
+    sparsity["gemm_table"] = _table(tmp_path / "t.json", _tiny_rows(
+        forward=(1.0, 0.1, 0.5), dgrad=None, wgrad=None))
+  cfg = tiny_config("t_sr_ste", overrides={
+      "sparsity.backend": backend, "model.dtype": "bfloat16",
+      **{f"sparsity.{k}": v for k, v in sparsity.items()}})
+  with caplog.at_level(logging.WARNING):
+    validate.check_config(cfg)
+  warnings = [r.getMessage() for r in caplog.records
+              if r.levelno == logging.WARNING and "not used" in r.getMessage()]
+  if said is None:
+    assert warnings == []
+    return
+  (message,) = warnings
+  assert "\n" not in message and f"sparsity.backend={backend!r}" in message, message
+  assert "used by sparsity.backend='cusparselt'" in message, message
+  for setting in said:
+    assert setting in message, (setting, message)
+
+
+_CHOOSE_ON_PROCESS = """
+import json, sys
+import jax
+pid, port, keys = int(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
+jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=pid,
+                           initialization_timeout=120)
+from s24jax.sparse_ops import gemm_choice, gemm_times
+
+def traced(x):   # while a step is traced, as a backend chooses
+  for fields in keys:
+    c = gemm_choice.choose("measured", "", gemm_times.Key(**fields), compress_share=1.0)
+    t = c.times
+    print("CHOICE", json.dumps([c.sparse, c.reason, t and [t.sparse_ms, t.compress_ms,
+          t.dense_ms, t.dense_spread_ms, t.algorithm, t.source]]), flush=True)
+  return x
+
+jax.make_jaxpr(traced)(0.0)
+jax.distributed.shutdown()
+"""
+
+
+@pytest.mark.slow
+def test_two_processes_make_process_0s_choice(tmp_path, monkeypatch):
+  """Two CPU processes of one run (jax.distributed on localhost), each with its own cache:
+  for GEMM A process 0's cache says faster (with a spread and an algorithm), process 1's
+  slower; for GEMM B process 0 has nothing, process 1 says faster. Both processes choose
+  from process 0's: A on the 2:4 kernel with its times, B dense."""
+  opts = GemmOptions(mvue=True, transposable=True, backend="cusparselt", gemm_choice="measured")
+  key_a, key_b = (cslt_backend.gemm_key("forward", t, OUT, IN, jnp.bfloat16, opts)
+                  for t in (TOKENS, 2 * TOKENS))
+  fast = gemm_times.Times(1.0, 0.0, 2.0, "process 0's", dense_spread_ms=0.25,
+                          algorithm=(7, 1, 0, 1))
+  slow = gemm_times.Times(3.0, 0.0, 2.0, "process 1's")
+  for pid, rows in ((0, [(key_a, fast)]), (1, [(key_a, slow), (key_b, fast)])):
+    monkeypatch.setenv("S24JAX_CACHE", str(tmp_path / f"cache{pid}"))
+    for key, times in rows:
+      gemm_times.store(key, times)
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    port = s.getsockname()[1]
+  keys = json.dumps([key_a.row(), key_b.row()])
+  procs = [subprocess.Popen(
+      [sys.executable, "-c", _CHOOSE_ON_PROCESS, str(pid), str(port), keys],
+      env={**os.environ, "JAX_PLATFORMS": "cpu", "S24JAX_CACHE": str(tmp_path / f"cache{pid}")},
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for pid in (0, 1)]
+  outs = [p.communicate(timeout=240)[0] for p in procs]
+  assert [p.returncode for p in procs] == [0, 0], outs
+  got = [[json.loads(line[len("CHOICE "):]) for line in out.splitlines()
+          if line.startswith("CHOICE ")] for out in outs]
+  a_times = [1.0, 0.0, 2.0, 0.25, [7, 1, 0, 1]]
+  assert got[0] == [[True, "measured faster", a_times + [got[0][0][2][-1]]],
+                    [False, "nothing measured for it here", None]], got[0]
+  assert got[0][0][2][-1].startswith("cache") and "process 0's" in got[0][0][2][-1]
+  assert got[1] == [[True, "measured faster", a_times + ["process 0 (broadcast)"]],
+                    [False, "nothing measured for it here", None]], got[1]
