@@ -53,6 +53,7 @@ import dataclasses
 import functools
 import time
 
+from absl import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -60,6 +61,7 @@ import numpy as np
 from s24jax import fp8 as fp8_lib
 from s24jax.kernels import _common
 from s24jax.kernels import masks
+from s24jax.kernels.cusparselt import algorithms
 from s24jax.kernels.cusparselt import compression
 from s24jax.kernels.cusparselt import library
 from s24jax.kernels.cusparselt import ops as cusparselt
@@ -88,11 +90,16 @@ def _gemm(kind: str, t: int, n: int, k: int, a_dtype) -> cusparselt.Gemm:
 
 @functools.cache
 def _library_version() -> str:
-  """The cuSPARSELt the handlers are built against (its header's version)."""
+  """The cuSPARSELt serving the handlers (the loaded library's own version: in one process the
+  first libcusparseLt loaded serves everything, torch's included), else the one they are
+  built against (its header's), else 'unknown'."""
   try:
-    return library.toolchain().cusparselt_version
-  except library.Unavailable:
-    return "unknown"
+    return library.serving()["version"]
+  except Exception:  # pylint: disable=broad-except  (a key field, not a reason to stop)
+    try:
+      return library.toolchain().cusparselt_version
+    except library.Unavailable:
+      return "unknown"
 
 
 def gemm_key(kind: str, t: int, n: int, k: int, dtype, opts: GemmOptions) -> gemm_times.Key:
@@ -128,6 +135,15 @@ def choose(kind: str, t: int, n: int, k: int, dtype, opts: GemmOptions,
                             compress_share=compress_share, label=label, measure=measure)
 
 
+def algorithm(kind: str, t: int, n: int, k: int, dtype,
+              opts: GemmOptions) -> algorithms.Algorithm | None:
+  """The library's algorithm found for the GEMM `kind` (searched at first use and cached with
+  its times, `measure_times`), or None: the library's default selection."""
+  times = choose(kind, t, n, k, dtype, opts, 1.0).times
+  found = times.algorithm if times is not None else None
+  return algorithms.Algorithm(*found) if found is not None else None
+
+
 def choices(opts: GemmOptions, w_shape, tokens: int, dtype,
             micro_batches: int) -> list[gemm_choice.Choice]:
   """The choice of each GEMM of a layer W~ `w_shape` (Backend.choices): W~'s compressions
@@ -141,9 +157,13 @@ def choices(opts: GemmOptions, w_shape, tokens: int, dtype,
 
 def measure_times(kind: str, t: int, n: int, k: int, dtype,
                   opts: GemmOptions) -> gemm_times.Times:
-  """Times the GEMM `kind` on this process's GPU: cuSPARSELt on its compressed operand, the
-  compression (FP8: with the quantization), and the dense XLA GEMM the backend runs instead
-  (gemm_times.per_call_ms), on random operands, outside the step being traced."""
+  """Times the GEMM `kind` on this process's GPU, on random operands, outside the step being
+  traced: the library's fastest algorithm for it (cusparseLtMatmulSearch), kept only if it
+  agrees with the default on the same operands (pytorch/pytorch#155333: some algorithm ids
+  gave wrong results; one warning, and the default, if not); then cuSPARSELt under that
+  algorithm on its compressed operand, the compression as the step runs it (FP8: with the
+  quantization), and the dense XLA GEMM the backend runs instead, each the median of
+  gemm_times.REPS timed loops with their spread (gemm_times.per_call_stats)."""
   opts = dataclasses.replace(opts, token_axes=())   # one device, outside shard_map
   fmt, a_dtype, d_dtype = gemms.operand_types(kind, opts, dtype)
   gemm = _gemm(kind, t, n, k, a_dtype)
@@ -168,16 +188,29 @@ def measure_times(kind: str, t: int, n: int, k: int, dtype,
       return compression.compress(qa, gemm, b_dtype=a_dtype, d_dtype=d_dtype)
 
     _, a_scale = gemms.quantize(a, fmt, opts)
+    compressed = jax.jit(compress)(source)
+    qb, _ = gemms.quantize(b, fmt, opts)
+    alg, _ = algorithms.search(compressed, qb, gemm, a_dtype=a_dtype, out_dtype=d_dtype)
+    wrong = algorithms.check_against_default(compressed, qb, gemm, alg, a_dtype=a_dtype,
+                                             out_dtype=d_dtype)
+    if wrong is not None:
+      logging.warning("cuSPARSELt's algorithm %s for %s disagrees with its default on the "
+                      "same operands (%s): the default runs instead.", alg, gemm, wrong)
+      alg = algorithms.DEFAULT
 
     def spmm(compressed, b):
-      return gemms.compressed_gemm(compressed, a_dtype, a_scale, b, gemm, opts, fmt)
+      return gemms.compressed_gemm(compressed, a_dtype, a_scale, b, gemm, opts, fmt, alg)
 
+    sparse_ms, sparse_spread = gemm_times.per_call_stats(spmm, compressed, b)
+    compress_ms, compress_spread = gemm_times.per_call_stats(compress, source)
+    dense_ms, dense_spread = gemm_times.per_call_stats(*dense)
     dev = jax.devices()[0]
     return gemm_times.Times(
-        sparse_ms=gemm_times.per_call_ms(spmm, jax.jit(compress)(source), b),
-        compress_ms=gemm_times.per_call_ms(compress, source),
-        dense_ms=gemm_times.per_call_ms(*dense),
-        source=f"measured on {dev.device_kind} at first use, {time.strftime('%Y-%m-%d')}")
+        sparse_ms=sparse_ms, compress_ms=compress_ms, dense_ms=dense_ms,
+        source=f"measured on {dev.device_kind} at first use, {time.strftime('%Y-%m-%d')}",
+        sparse_spread_ms=sparse_spread, compress_spread_ms=compress_spread,
+        dense_spread_ms=dense_spread,
+        algorithm=(alg.alg_id, alg.split_k, alg.split_k_mode, alg.split_k_buffers))
 
   return gemm_times.outside_trace(run)
 
@@ -229,10 +262,11 @@ def linear_2d(opts: GemmOptions, x: jax.Array, w: jax.Array, key: jax.Array | No
   fmt, _ = gemms.formats(opts)
   if "fwd" in prepared:
     y = gemms.compressed_gemm(prepared["fwd"], _a_dtype(fmt, x), prepared.get("fwd_scale"),
-                              x, gemms.fwd_gemm(t, n, k), opts, fmt)       # (T, N)
+                              x, gemms.fwd_gemm(t, n, k), opts, fmt,
+                              algorithm("forward", t, n, k, x.dtype, opts))   # (T, N)
   elif choose("forward", t, n, k, x.dtype, opts, 1.0).sparse:
-    y = gemms.sparse_gemm(w.astype(x.dtype), x, gemms.fwd_gemm(t, n, k), opts,
-                          fmt)                                             # (T, N)
+    y = gemms.sparse_gemm(w.astype(x.dtype), x, gemms.fwd_gemm(t, n, k), opts, fmt,
+                          algorithm("forward", t, n, k, x.dtype, opts))    # (T, N)
   else:
     y = common.fwd_gemm(x, w.astype(x.dtype), opts)                      # (T, N), dense
   return y.astype(x.dtype)
@@ -255,18 +289,19 @@ def _bwd(opts, res, dy):
   tn = gemms.k_major_only(_a_dtype(fmt, x))
   if "dx" in prepared:   # (transposable masks only)
     dx = gemms.compressed_gemm(prepared["dx"], _a_dtype(fmt, x), prepared.get("dx_scale"),
-                               dy, gemms.dgrad_gemm(t, n, k, tn_dx), opts, fmt)   # (T, K)
+                               dy, gemms.dgrad_gemm(t, n, k, tn_dx), opts, fmt,
+                               algorithm("dgrad", t, n, k, x.dtype, opts))   # (T, K)
   elif choose("dgrad", t, n, k, x.dtype, opts, 1.0).sparse:
     wd = w.astype(x.dtype)
     dx = gemms.sparse_gemm(wd.T if tn_dx else wd, dy, gemms.dgrad_gemm(t, n, k, tn_dx),
-                           opts, fmt)                                      # (T, K)
+                           opts, fmt, algorithm("dgrad", t, n, k, x.dtype, opts))  # (T, K)
   else:
     dx = common.dgrad_gemm(dy, w.astype(dy.dtype), opts)                   # (T, K), dense
   if opts.mvue:   # the point of MVUE: dW = MVUE(dY^T) x, 2:4 along the tokens
     est = common.wgrad_operand(dy, key, opts)                              # (N, T)
     if choose("wgrad", t, n, k, x.dtype, opts, 1.0).sparse:
       dw = gemms.sparse_gemm(est, x.T if tn else x, gemms.wgrad_gemm(t, n, k, tn), opts,
-                             fmt)                                          # (N, K)
+                             fmt, algorithm("wgrad", t, n, k, x.dtype, opts))   # (N, K)
     else:
       dw = common.wgrad_product(est, x, opts)                              # (N, K), dense
   else:

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from s24jax import fp8 as fp8_lib
+from s24jax.kernels.cusparselt import algorithms
 from s24jax.kernels.cusparselt import compression
 from s24jax.kernels.cusparselt import ops as cusparselt
 from s24jax.kernels.cusparselt import rules
@@ -74,23 +75,24 @@ def out_dtype(fmt, compute_dtype):
 
 
 def compressed_gemm(compressed: jax.Array, a_dtype, a_scale, b: jax.Array,
-                    gemm: cusparselt.Gemm, opts: GemmOptions, fmt) -> jax.Array:
+                    gemm: cusparselt.Gemm, opts: GemmOptions, fmt,
+                    alg: algorithms.Algorithm | None = None) -> jax.Array:
   """The D array (gemm.d_shape()) float32 of an A compressed beforehand times the B array
-  (quantized here in `fmt` under FP8, both scales applied to the float32 result)."""
+  (quantized here in `fmt` under FP8, both scales applied to the float32 result), under the
+  library's algorithm `alg` (None: its default selection)."""
   qb, sb = quantize(b, fmt, opts)
   d = cusparselt.spmm(compressed, qb, gemm, a_dtype=a_dtype,
-                      out_dtype=out_dtype(fmt, b.dtype)).astype(jnp.float32)
+                      out_dtype=out_dtype(fmt, b.dtype), alg=alg).astype(jnp.float32)
   return d if fmt is None else d * ((1.0 / a_scale) * (1.0 / sb))
 
 
 def sparse_gemm(a: jax.Array, b: jax.Array, gemm: cusparselt.Gemm, opts: GemmOptions,
-                fmt) -> jax.Array:
+                fmt, alg: algorithms.Algorithm | None = None) -> jax.Array:
   """`compressed_gemm` with A compressed here (quantized first under FP8)."""
   qa, sa = quantize(a, fmt, opts)
   compressed = compression.compress(qa, gemm, b_dtype=qa.dtype,
                                     d_dtype=out_dtype(fmt, b.dtype))
-  return compressed_gemm(compressed, qa.dtype, sa, b, gemm, opts, fmt)
-
+  return compressed_gemm(compressed, qa.dtype, sa, b, gemm, opts, fmt, alg)
 
 
 def operand_types(kind: str, opts: GemmOptions, dtype):

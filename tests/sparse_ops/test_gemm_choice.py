@@ -313,6 +313,10 @@ def test_a_measurement_goes_to_the_cache_and_comes_back(tmp_path):
     jax.jit(traced)(jnp.zeros(3))
   (times,) = measured
   assert min(times.sparse_ms, times.compress_ms, times.dense_ms) > 0, times
+  assert min(times.sparse_spread_ms, times.compress_spread_ms, times.dense_spread_ms) >= 0
+  # The stand-in's algorithm search (kernels/cusparselt/algorithms.py: alg 0, no split-K),
+  # agreed with the default, is kept with the times.
+  assert times.algorithm == (0, 1, 0, 1), times
   path = gemm_times.cache_file()
   assert path.parent.parent == tmp_path / "cache"
   (row,) = gemm_times.parse_rows(json.loads(path.read_text()), path)
@@ -328,6 +332,7 @@ def test_a_measurement_goes_to_the_cache_and_comes_back(tmp_path):
   again = gemm_choice.choose("measured", "", key, compress_share=1.0, measure=fail)
   assert again.times.source.startswith("cache")
   assert (again.times.sparse_ms, again.times.dense_ms) == (times.sparse_ms, times.dense_ms)
+  assert again.times.algorithm == times.algorithm
   assert again.sparse == (times.sparse_ms + times.compress_ms + times.sparse_spread_ms
                           + times.compress_spread_ms + times.dense_spread_ms < times.dense_ms)
 
