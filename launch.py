@@ -291,7 +291,8 @@ def _train(config, workdir: str, distributed: bool, process: int, held: _Held, *
                                  num_processes=_NUM_PROCESSES.value,
                                  process_id=_PROCESS_ID.value)
     final = loop.train_and_evaluate(config, workdir, on_start=start,
-                                    allow_unmatched_layers=allow_unmatched)
+                                    allow_unmatched_layers=allow_unmatched,
+                                    source=_CONFIG.value)
   except errors.KnownError as e:
     log = logging.warning if e.exit_code == errors.EXIT_PREEMPTED else logging.error
     log("%s (exit code %d)", e, e.exit_code)

@@ -28,6 +28,7 @@ from s24jax import chores as chores_lib
 from s24jax import destinations
 from s24jax import errors
 from s24jax import export
+from s24jax import fit
 from s24jax import flops as flops_lib
 from s24jax import measure
 from s24jax import phases
@@ -94,6 +95,7 @@ class Run:
   last_log: dict = dataclasses.field(default_factory=dict)
   final: dict = dataclasses.field(default_factory=dict)
   postfix: dict = dataclasses.field(default_factory=dict)   # the progress bar's fields
+  first: fit.FirstStep | None = None   # the first model's step, compiled before anything ran
   _models: dict = dataclasses.field(default_factory=dict)
 
   @property
@@ -131,6 +133,15 @@ class Run:
   def sparse_phase(self) -> bool:
     return self.model_cfg.sparsity.method.sparse
 
+  def train_step(self, state, batch, info: StepInfo):
+    """One optimizer step of the current model: the executable compiled (and checked to fit)
+    before the run started, while the run trains that model; else the jitted step."""
+    if self.first is not None and self.first.model_cfg == self.model_cfg:
+      return self.first.compiled(state, batch, info)
+    return train.train_step(state, batch, info, model=self.model, tx=self.tx,
+                            accum_steps=self.config.grad_accum_steps,
+                            partitioner=self.partitioner)
+
   def write(self, step: int, scalars: dict[str, Any]) -> None:
     self.writer.write(step, scalars)
     self.final.update(scalars)
@@ -144,7 +155,8 @@ class Run:
       self.model_cfg = new
 
   @classmethod
-  def create(cls, config: ml_collections.ConfigDict, workdir: str, checked: validate.Checked):
+  def create(cls, config: ml_collections.ConfigDict, workdir: str, checked: validate.Checked,
+             first: fit.FirstStep | None = None):
     """The run of a checked config (`validate.check_run`): the first writes to the workdir."""
     spec = checked.spec
     partitioner = sharding.Partitioner(checked.mesh)
@@ -167,7 +179,7 @@ class Run:
               tx=spec.tx(fresh.params, fresh.sparsity), state=state, ckpt=ckpt,
               writer=metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0,
                                               resume_step=step),
-              step=step)
+              step=step, first=first)
     run.final.update(run.writer.history)            # a resumed run's history so far
     run.pending.extend(preemption.load_pending(workdir, step))   # the steps a preemption left unlogged
     return run
@@ -175,10 +187,13 @@ class Run:
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
                        allow_unmatched_layers: bool = False,
-                       on_start: Callable[[], None] | None = None) -> dict[str, float]:
+                       on_start: Callable[[], None] | None = None,
+                       source: str = "") -> dict[str, float]:
   """Trains per `config`, resuming from `workdir` if it holds a checkpoint. Returns finals.
   Holds the workdir's lock, checks the whole run before writing anything (validate.py;
-  `allow_unmatched_layers`: unmatched sparse-layer patterns only warn), then calls
+  `allow_unmatched_layers`: unmatched sparse-layer patterns only warn), compiles the first
+  step and checks that it fits the device's memory (fit.py: DoesNotFit, exit code 6, naming
+  the nearest setting that fits; `source`: the config file, for that message), then calls
   `on_start()` (launch.py opens train.log there). SIGTERM / SIGINT stop it after the step in
   flight, its checkpoint saved (preemption.Preempted)."""
   primary = jax.process_index() == 0
@@ -186,9 +201,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   with lock, preemption.Guard() as guard:
     with guard.at_once():   # a signal during the checks stops at once: nothing written yet
       checked = validate.check_run(config, workdir, allow_unmatched_layers=allow_unmatched_layers)
+      first = first_step(config, checked, workdir, source=source)   # fits, or exit 6
     if on_start is not None:
       on_start()
-    run = Run.create(config, workdir, checked)
+    run = Run.create(config, workdir, checked, first)
     final_path = os.path.join(workdir, "final_metrics.json")
     if run.step >= run.total and os.path.exists(final_path):
       logging.info("%s already trained to step %d; nothing to do", workdir, run.step)
@@ -207,9 +223,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
         run.set_model(run.step)
         run.batch = shard_batch(local_batch(run.data.train, config, run.step), run.partitioner)
         chores_lib.run_chores(run, chores, before_step=True)
-        run.state, metrics = train.train_step(run.state, run.batch, run.info, model=run.model,
-                                              tx=run.tx, accum_steps=config.grad_accum_steps,
-                                              partitioner=run.partitioner)
+        run.state, metrics = run.train_step(run.state, run.batch, run.info)
         run.pending.append(metrics)
         run.step = run.info.next_step
         chores_lib.run_chores(run, chores, before_step=False)
@@ -229,6 +243,23 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
       destinations.write_atomic(final_path, json.dumps(   # a torn file would block the next run
           {k: float(v) for k, v in run.final.items() if v is not None}, indent=2))
   return run.final
+
+
+def first_step(config: ml_collections.ConfigDict, checked: validate.Checked, workdir: str,
+               *, source: str = "") -> fit.FirstStep:
+  """The train step of the model the run starts with (a resumed run: the model of its last
+  step), compiled on the state's shapes and the first batch, checked against the device's
+  memory (fit.py). Writes nothing."""
+  spec = checked.spec
+  step = ckpt_lib.newest_step_on_disk(workdir) or 0
+  model_cfg = phases.model_at(step - 1, spec.model_cfg, spec.facts) if step else spec.model_cfg
+  partitioner = sharding.Partitioner(checked.mesh)
+  abstract = spec.abstract_state
+  batch = shard_batch(local_batch(checked.data.train, config, step), partitioner)
+  return fit.compile_first_step(config, spec, partitioner, model_cfg,
+                                model_lib.build(model_cfg),
+                                spec.tx(abstract.params, abstract.sparsity), batch,
+                                source=source)
 
 
 def _close(run: "Run") -> None:
