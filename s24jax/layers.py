@@ -7,6 +7,7 @@ from the sparse layers of s24jax/sparse_linear.py; `cfg` is the frozen `model.Mo
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -37,10 +38,24 @@ SCANNED_COLLECTIONS = {"params": 0, "sparsity": 0, "prepared": 0, "intermediates
 
 
 def compute_dtype(name: str) -> jnp.dtype:
-  """'auto' is bfloat16 on accelerators and float32 on CPU (no fast bf16 matmul there)."""
+  """'auto' is bfloat16 on accelerators and float32 on CPU (no fast bf16 matmul there), for
+  the device the step is built for (kernels._common.target_device: a step put on the CPU of a
+  GPU host computes in float32)."""
   if name == "auto":
-    return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    return jnp.float32 if _common.target_device().platform == "cpu" else jnp.bfloat16
   return jnp.dtype(name)
+
+
+# model.matmul_precision: 'default' leaves JAX's (TF32 for float32 dots on an NVIDIA GPU).
+MATMUL_PRECISIONS = ("default", "high", "highest")
+
+
+def matmul_precision(cfg: Any):
+  """The context the model's dots are traced in: jax.default_matmul_precision of
+  cfg.matmul_precision ('default': no change)."""
+  if cfg.matmul_precision == "default":
+    return contextlib.nullcontext()
+  return jax.default_matmul_precision(cfg.matmul_precision)
 
 
 # What cuDNN's flash attention takes (jax._src.cudnn.fused_attention_stablehlo, jax 0.10-0.12:

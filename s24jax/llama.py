@@ -123,10 +123,11 @@ class Llama(nn.Module):
     _, T = tokens.shape
     if T > cfg.seq_len:
       raise ValueError(f"sequence length {T} exceeds model.seq_len={cfg.seq_len}")
-    x = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=nn.initializers.normal(0.02),
-                 dtype=dtype, name="embed")(tokens).astype(dtype)            # (B, T, C)
-    x = layers.stack(Block, cfg, x)                                           # (B, T, C)
-    x = nn.RMSNorm(epsilon=cfg.norm_eps, dtype=dtype, name="norm")(x).astype(dtype)
-    head = SparseHead(cfg.vocab_size, cfg.d_model, cfg.sparsity, dtype=dtype,
-                      name=cfg.head_name)
-    return layers.logits_or_loss(cfg, x, targets, logits=head, chunked_head=head.head)
+    with layers.matmul_precision(cfg):   # TF32 or float32 dots (model.ModelConfig)
+      x = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=nn.initializers.normal(0.02),
+                   dtype=dtype, name="embed")(tokens).astype(dtype)          # (B, T, C)
+      x = layers.stack(Block, cfg, x)                                         # (B, T, C)
+      x = nn.RMSNorm(epsilon=cfg.norm_eps, dtype=dtype, name="norm")(x).astype(dtype)
+      head = SparseHead(cfg.vocab_size, cfg.d_model, cfg.sparsity, dtype=dtype,
+                        name=cfg.head_name)
+      return layers.logits_or_loss(cfg, x, targets, logits=head, chunked_head=head.head)

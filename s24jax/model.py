@@ -56,8 +56,15 @@ class ModelConfig:
   rope_base: float = 10000.0
   norm_eps: float = 1e-5
   # The compute dtype ('float32', 'bfloat16', ...); parameters stay float32. 'auto':
-  # bfloat16 on GPU/TPU, float32 on CPU (compute_dtype).
+  # bfloat16 on GPU/TPU, float32 on CPU (compute_dtype). On an NVIDIA GPU, 'float32' dots run
+  # in TF32 (10-bit mantissa products: JAX's default precision) unless matmul_precision says
+  # otherwise.
   dtype: str = "auto"
+  # The precision of the model's float32 dots (layers.MATMUL_PRECISIONS, set with
+  # jax.default_matmul_precision):
+  # 'default' (JAX's: TF32 on an NVIDIA GPU), 'high' (bf16_3x, ~float32), 'highest' (float32,
+  # several times slower on a GPU). Changes nothing on a CPU, or for 16-bit compute.
+  matmul_precision: str = "default"
   # Attention pattern (s24jax/attention_masks.py): 'causal' (dense), or MST's Hybrid Sparse
   # Attention patterns 'strided' / 'local_strided' with stride (and local window) l; outside
   # MST's sparse-attention window.
@@ -102,6 +109,9 @@ class ModelConfig:
       raise ValueError(f"V:N:M activation sparsity needs the FFN hidden dimension "
                        f"(model.mlp_ratio * model.d_model = {self.mlp_hidden}) to be a multiple "
                        f"of act_sparsity.m={self.act.m}")
+    if self.matmul_precision not in layers.MATMUL_PRECISIONS:
+      raise ValueError(f"unknown model.matmul_precision {self.matmul_precision!r}; valid: "
+                       f"{', '.join(layers.MATMUL_PRECISIONS)}")
     if self.attention_impl not in ATTENTION_IMPLS:
       raise ValueError(f"unknown model.attention_impl {self.attention_impl!r}; valid: "
                        f"{', '.join(ATTENTION_IMPLS)}")
@@ -213,15 +223,16 @@ class GPT2(nn.Module):
     B, T = tokens.shape
     if T > cfg.seq_len:
       raise ValueError(f"sequence length {T} exceeds model.seq_len={cfg.seq_len}")
-    # Tied with the head; sparse (one mask for the lookup and the head) if 'wte' matches
-    # sparsity.sparse_layers, e.g. MST's reference layer set.
-    wte = SparseEmbed(cfg.vocab_size, cfg.d_model, sparsity=cfg.sparsity,
-                      embedding_init=nn.initializers.normal(0.02), dtype=dtype, name="wte")
-    wpe = self.param("wpe", nn.initializers.normal(0.01), (cfg.seq_len, cfg.d_model))
-    x = (wte(tokens) + wpe[:T]).astype(dtype)                                 # (B, T, C)
-    x = layers.stack(Block, cfg, x)                                           # (B, T, C)
-    x = nn.LayerNorm(dtype=dtype, name="ln_f")(x).astype(dtype)
-    return layers.logits_or_loss(cfg, x, targets, logits=wte.attend, chunked_head=wte.head)
+    with layers.matmul_precision(cfg):   # TF32 or float32 dots (ModelConfig)
+      # Tied with the head; sparse (one mask for the lookup and the head) if 'wte' matches
+      # sparsity.sparse_layers, e.g. MST's reference layer set.
+      wte = SparseEmbed(cfg.vocab_size, cfg.d_model, sparsity=cfg.sparsity,
+                        embedding_init=nn.initializers.normal(0.02), dtype=dtype, name="wte")
+      wpe = self.param("wpe", nn.initializers.normal(0.01), (cfg.seq_len, cfg.d_model))
+      x = (wte(tokens) + wpe[:T]).astype(dtype)                                 # (B, T, C)
+      x = layers.stack(Block, cfg, x)                                           # (B, T, C)
+      x = nn.LayerNorm(dtype=dtype, name="ln_f")(x).astype(dtype)
+      return layers.logits_or_loss(cfg, x, targets, logits=wte.attend, chunked_head=wte.head)
 
 
 def build(cfg: ModelConfig) -> nn.Module:

@@ -6,8 +6,9 @@ bfloat16: half-precision operands, float32 accumulation), and XLA:CPU refuses F1
 (jax 0.10.2: "The precision 'F16_F16_F32' is not supported by dot_general on CPU"), which a
 run would meet at its first step, after writing its config and checkpoint 0. `problem`
 lowers (no compile, no run) the gradient of causal attention followed by a dot with float32
-results, in the dtype, for the default backend, once per process and dtype: what the model's
-step needs of the dtype.
+results, in the dtype, for the device the step is built for (kernels._common.target_device,
+as the attention choice asks: a step put on the CPU of a GPU host is checked for the CPU),
+once per process, platform and dtype: what the model's step needs of the dtype.
 """
 from __future__ import annotations
 
@@ -18,15 +19,16 @@ import jax.numpy as jnp
 
 from s24jax import errors
 from s24jax import layers
+from s24jax.kernels import _common
 
 FLOATS = ("float32", "bfloat16", "float16")
 
 
 @functools.lru_cache(maxsize=None)
-def problem(dtype: str, backend: str) -> str | None:
-  """None if the default backend (named `backend`, the cache key) lowers the step's dots in
+def problem(dtype: str, platform: str) -> str | None:
+  """None if the target device (of `platform`, the cache key) lowers the step's dots in
   `dtype`; else the first line of its error."""
-  del backend
+  del platform
   dt = jnp.dtype(dtype)
   q = jax.ShapeDtypeStruct((1, 8, 1, 8), dt)   # (B, T, N, hd)
   w = jax.ShapeDtypeStruct((8, 8), dt)
@@ -36,25 +38,26 @@ def problem(dtype: str, backend: str) -> str | None:
     return jnp.sum(jnp.einsum("btnh,hk->btnk", y, w, preferred_element_type=jnp.float32))
 
   try:
-    jax.jit(jax.grad(loss, argnums=(0, 1))).lower(q, w)
+    with jax.default_device(_common.target_device()):
+      jax.jit(jax.grad(loss, argnums=(0, 1))).lower(q, w)
   except Exception as e:  # pylint: disable=broad-except  (any refusal: the dtype cannot run)
     return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
   return None
 
 
-def working(backend: str | None = None) -> list[str]:
-  """The float dtypes the default backend can train with."""
-  backend = backend or jax.default_backend()
-  return [d for d in FLOATS if problem(d, backend) is None]
+def working(platform: str | None = None) -> list[str]:
+  """The float dtypes the target device can train with."""
+  platform = platform or _common.target_device().platform
+  return [d for d in FLOATS if problem(d, platform) is None]
 
 
 def check(name: str) -> None:
   """A UserError unless config.model.dtype `name` ('auto' resolved as the model resolves it)
-  is one the default backend can train with."""
+  is one the target device can train with."""
   dtype = jnp.dtype(layers.compute_dtype(name)).name
-  backend = jax.default_backend()
-  why = problem(dtype, backend) if dtype != "float32" else None
+  platform = _common.target_device().platform
+  why = problem(dtype, platform) if dtype != "float32" else None
   if why:
-    raise errors.UserError(f"config.model.dtype={name!r}: the {backend} backend cannot train "
+    raise errors.UserError(f"config.model.dtype={name!r}: the {platform} device cannot train "
                            f"in {dtype} ({why}); dtypes that work here: "
-                           f"{', '.join(working(backend))} ('auto' picks one)")
+                           f"{', '.join(working(platform))} ('auto' picks one)")

@@ -224,3 +224,27 @@ def test_scanned_model_slices_the_prepared_collection_per_layer():
     assert not np.allclose(with_prep, without, atol=1e-3)
   finally:
     sparse_ops.backend._BACKENDS.pop("test_prepares")   # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize("precision,want", [("default", None), ("highest", "HIGHEST")])
+def test_matmul_precision_sets_the_precision_of_the_models_dots(precision, want):
+  """model.matmul_precision reaches every dot_general the model traces: 'default' leaves
+  JAX's (None: TF32 for float32 on an NVIDIA GPU), 'highest' asks for true float32."""
+  cfg = model_lib.ModelConfig(vocab_size=64, seq_len=8, num_layers=1, num_heads=2, d_model=16,
+                              dtype="float32", matmul_precision=precision)
+  model = model_lib.build(cfg)
+  tokens = jnp.zeros((2, 8), jnp.int32)
+  params = model.init(jax.random.key(0), tokens)
+  text = str(jax.make_jaxpr(lambda p: model.apply(p, tokens))(params))
+  assert "dot_general" in text
+  if want is None:
+    assert "HIGHEST" not in text
+  else:
+    assert text.count("dot_general") == text.count("precision=(Precision.HIGHEST, "
+                                                   "Precision.HIGHEST)"), text[:2000]
+
+
+def test_an_unknown_matmul_precision_names_the_valid_ones():
+  with pytest.raises(ValueError, match="unknown model.matmul_precision 'tf32'; valid: default, "
+                                       "high, highest"):
+    model_lib.ModelConfig(matmul_precision="tf32")

@@ -6,7 +6,7 @@ no layer (an error listing the layers that exist, a warning with the opt-out); a
 of another config named by its config fields; the data (a split shorter than one window, ids
 outside the vocabulary); free disk space against one checkpoint's size; the config loader's
 errors (a file that does not run, has no get_config, raises inside it); a compute dtype the
-backend cannot train in; a resume that ignores init_from or runs on changed data; the data
+device cannot train in; a resume that ignores init_from or runs on changed data; the data
 messages (a foreign token-file header, a mixed folder, a cache folder that is a file). The
 references are the fields and values written out here, the model's layer paths as the test's
 own config builds them, the train state's byte count computed by hand, and each dtype's
@@ -249,8 +249,8 @@ def test_a_dtype_this_backend_cannot_train_in_is_refused_before_anything(tmp_pat
     with pytest.raises(errors.UserError) as e:
       loop.train_and_evaluate(config, str(tmp_path / "w"))
     message = str(e.value)
-    assert message.startswith(f"config.model.dtype='{dtype}': the {jax.default_backend()} "
-                              f"backend cannot train in {dtype} (") and "\n" not in message
+    assert message.startswith(f"config.model.dtype='{dtype}': the {jax.devices()[0].platform} "
+                              f"device cannot train in {dtype} (") and "\n" not in message
     assert message.endswith(f"dtypes that work here: {', '.join(works)} ('auto' picks one)")
     assert not os.path.exists(tmp_path / "w")
 
