@@ -23,6 +23,8 @@ import time
 from typing import Any, Sequence
 
 from s24jax import config_files
+from s24jax import destinations
+from s24jax import errors
 from s24jax import loop
 from s24jax import metrics as metrics_lib
 
@@ -82,10 +84,15 @@ def _fmt(v: Any) -> str:
   return str(v)
 
 
+# Every table starts so: what tells an earlier table.md of this command from a user's file.
+TABLE_HEAD = "| run | config | "
+TABLE_NAME = "table.md"
+
+
 def markdown_table(rows, extra_keys: Sequence[str] = ()) -> str:
   cols = ["val_loss", "train_loss", "unigram", "flip_end", "flip_peak", "tok_s", "wall_s",
           *extra_keys]
-  head = "| run | config | " + " | ".join(cols) + " |"
+  head = TABLE_HEAD + " | ".join(cols) + " |"
   sep = "|" + "---|" * (len(cols) + 2)
   lines = [head, sep]
   for r, row in rows:
@@ -95,13 +102,27 @@ def markdown_table(rows, extra_keys: Sequence[str] = ()) -> str:
   return "\n".join(lines)
 
 
+def a_table(path: str) -> bool:
+  """Whether `path` is a table this command wrote (its first line is a table's head)."""
+  try:
+    with open(path, encoding="utf-8") as f:
+      return f.readline().startswith(TABLE_HEAD)
+  except (OSError, UnicodeDecodeError):
+    return False
+
+
 def script_main(description: str, runs: Sequence[Arm], default_root: str, *,
                 extra_keys: dict[str, str] | None = None, appendix=None, argv=None) -> str:
   """The shared command line of the experiments/compare_*.py scripts.
 
   --root DIR, --steps N (override total_steps of every run), --only a,b (a subset). Prints
   the table (extra columns renamed per `extra_keys` {metric: column}), followed by
-  `appendix(runs, root)` if given, and writes it to ROOT/table.md.
+  `appendix(runs, root)` if given, and writes it to ROOT/table.md, replacing only an earlier
+  table (`a_table`). ROOT/table.md is checked before any run starts (a folder or a user's
+  file there, a read-only or full disk); a problem is one line and SystemExit 2, nothing
+  written; a write that fails at the end is one line and SystemExit 5, the table printed
+  above and the runs' workdirs intact (README, "Exit codes"). A run's own error is its one
+  line and exit code.
   """
   parser = argparse.ArgumentParser(description=description)
   parser.add_argument("--root", default=default_root)
@@ -113,17 +134,24 @@ def script_main(description: str, runs: Sequence[Arm], default_root: str, *,
     names = args.only.split(",")
     unknown = sorted(set(names) - {r.name for r in runs})
     if unknown:
-      raise SystemExit(f"unknown runs {unknown}; valid: {', '.join(r.name for r in runs)}")
+      parser.exit(errors.EXIT_USER, f"{parser.prog}: --only: unknown runs {unknown}; valid: "
+                  f"{', '.join(r.name for r in runs)}\n")
     runs = [r for r in runs if r.name in names]
   if args.steps:
     runs = [Arm(r.name, r.config, {**r.overrides, "total_steps": args.steps}) for r in runs]
   extra_keys = extra_keys or {}
-  table = run_all(runs, args.root, extra_keys=tuple(extra_keys))
-  for key, short in extra_keys.items():
-    table = table.replace(key, short)
-  if appendix is not None:
-    table += "\n\n" + appendix(runs, args.root)
-  print(table)
-  with open(os.path.join(args.root, "table.md"), "w", encoding="utf-8") as f:
-    f.write(table + "\n")
+  path = os.path.join(args.root, TABLE_NAME)
+  try:
+    destinations.check_file(path, what="a comparison table", flag="--root", replaces=a_table)
+    table = run_all(runs, args.root, extra_keys=tuple(extra_keys))
+    for key, short in extra_keys.items():
+      table = table.replace(key, short)
+    if appendix is not None:
+      table += "\n\n" + appendix(runs, args.root)
+    print(table)
+    with destinations.writing(f"the table {path}", "The table above holds the results; the "
+                              "runs' workdirs are intact."):
+      destinations.write_atomic(path, table + "\n", replaces=a_table, what="a comparison table")
+  except errors.KnownError as e:
+    parser.exit(e.exit_code, f"{parser.prog}: {e}\n")
   return table

@@ -11,9 +11,17 @@ exit code 2) naming the path and what to do, and nothing was written.
 
 A write that fails after the checks (the disk filled up during the work, a folder removed or
 made read-only meanwhile) is a `WriteError` (exit code 5, errors.EXIT_STORAGE), one line: what
-could not be written, why (`reason`), and what is intact. Files are written whole or not at all
-(`write_atomic`: a temporary file in the same folder, renamed over the target), so a failed
-write never leaves half a file where a good one was.
+could not be written, why (`reason`), and what is intact.
+
+Every file the project writes is written one way: whole or not at all (`atomic_file`, a
+stream, and `write_atomic`, bytes or text: a temporary file in the same folder, synced,
+renamed over the target, the folder synced; `place` for a file another program wrote), so a
+failed write (a full disk, a crash, a power cut) never leaves half a file where a good one
+was, nor a temporary file; no file that matters is opened with "w", which truncates it before
+a write can fail. A command replaces only its own earlier output (`replaces`, the guard
+`check_file` has too: an existing file is recognised by its content), never a user's file of
+the same name. A log appended to (`appending`) is cut back to its length before a failed
+append. Orbax writes its checkpoints itself (a temporary folder renamed when complete).
 
 This module imports nothing of s24jax but errors.py (every layer may use it).
 """
@@ -25,7 +33,7 @@ import json
 import os
 import shutil
 import uuid
-from typing import Callable, Iterator
+from typing import IO, Callable, Iterator
 
 from s24jax import errors
 
@@ -174,7 +182,8 @@ def check_file(path: str, *, what: str, flag: str,
   (e.g. an earlier report), so no other file is ever overwritten."""
   path = os.path.abspath(path)
   if os.path.isdir(path):
-    raise DestinationError(f"{flag} {path} is a folder; give a file name (nothing was written)")
+    raise DestinationError(f"{flag} {path} is a folder, not {what}: it is left as it is; "
+                           f"choose another {flag} or move it away (nothing was written)")
   if os.path.lexists(path) and replaces is not None and not replaces(path):
     raise DestinationError(f"{flag} {path} exists and is not {what}: it is left as it is; "
                            f"choose another {flag} or move it away (nothing was written)")
@@ -219,27 +228,107 @@ def json_with_keys(*keys: str) -> Callable[[str], bool]:
 # Writing.
 
 
-def write_atomic(path: str, data: str | bytes) -> None:
-  """`data` written to `path` whole or not at all: a temporary file beside it, synced, then
-  renamed over it (an existing file stays as it was until the rename). OSError on failure,
-  with the temporary file removed."""
-  path = os.path.abspath(path)
-  tmp = os.path.join(os.path.dirname(path),
-                     f".{os.path.basename(path)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-  raw = data.encode("utf-8") if isinstance(data, str) else data
-  try:
-    fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+def _guard(path: str, replaces: Callable[[str], bool] | None, what: str) -> None:
+  """An existing `path` that `replaces` does not recognise as this command's own output: a
+  DestinationError, the file left as it is. A folder there: refused too (IsADirectoryError
+  without a guard)."""
+  if os.path.isdir(path):
+    if replaces is None:
+      raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+    raise DestinationError(f"{path} is a folder, not {what}: it is left as it is; choose "
+                           "another name or move it away (nothing was written)")
+  if replaces is not None and os.path.lexists(path) and not replaces(path):
+    raise DestinationError(f"{path} exists and is not {what}: it is left as it is; choose "
+                           "another name or move it away (nothing was written)")
+
+
+def _sync_folder(folder: str) -> None:
+  """The folder's entries to the disk, so a rename survives a power cut. A filesystem that
+  cannot sync a folder (some network ones) is let be: the file itself is synced, and the name
+  then holds the old file or the new one, each whole."""
+  with contextlib.suppress(OSError):
+    fd = os.open(folder, os.O_RDONLY)
     try:
-      view = memoryview(raw)
-      while view:
-        view = view[os.write(fd, view):]
       os.fsync(fd)
     finally:
       os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike, mode: str = "wb", *,
+                replaces: Callable[[str], bool] | None = None,
+                what: str = "this command's output") -> Iterator[IO]:
+  """`with atomic_file(path) as f: f.write(...)`: `path` written whole or not at all. `f` is a
+  temporary file beside `path` (mode 'wb', or 'w': UTF-8 text); when the block ends it is
+  flushed, synced, renamed over `path` and the folder synced; if the block (or any of that)
+  raises, the temporary file is removed and `path` is as it was. `replaces` (the guard, as
+  check_file has it): an existing `path` it does not recognise as `what` (this command's
+  earlier output) is left alone and a DestinationError raised, before anything is written.
+  OSError on a failed write."""
+  if mode not in ("w", "wb"):
+    raise ValueError(f"atomic_file: mode {mode!r}; valid: 'w', 'wb'")
+  path = os.path.abspath(os.fspath(path))
+  _guard(path, replaces, what)
+  folder, name = os.path.split(path)
+  tmp = os.path.join(folder, f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+  f = None
+  try:
+    f = open(tmp, mode.replace("w", "x"), **({"encoding": "utf-8"} if mode == "w" else {}))
+    yield f
+    f.flush()
+    os.fsync(f.fileno())
+    f.close()
     os.replace(tmp, path)
+  except BaseException as e:
+    if f is not None:
+      with contextlib.suppress(OSError):
+        f.close()   # its buffer may not fit either: the first error is the one raised
+      with contextlib.suppress(OSError):
+        os.unlink(tmp)
+    if isinstance(e, OSError) and e.filename == tmp:
+      e.filename = path   # the file the caller writes (the temporary one is not there)
+    raise
+  _sync_folder(folder)
+
+
+def place(src: str | os.PathLike, path: str | os.PathLike) -> None:
+  """A file another program wrote whole (pip's download) synced and renamed over `path`, the
+  folder synced: atomic_file's last step, for `src` in `path`'s filesystem."""
+  fd = os.open(src, os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+  os.replace(src, path)
+  _sync_folder(os.path.dirname(os.path.abspath(path)))
+
+
+def write_atomic(path: str | os.PathLike, data: str | bytes, *,
+                 replaces: Callable[[str], bool] | None = None,
+                 what: str = "this command's output") -> None:
+  """`data` written to `path` whole or not at all (`atomic_file`, its guard included)."""
+  with atomic_file(path, "w" if isinstance(data, str) else "wb", replaces=replaces,
+                   what=what) as f:
+    f.write(data)
+
+
+@contextlib.contextmanager
+def appending(*paths: str | os.PathLike) -> Iterator[None]:
+  """Appends to `paths` inside the block are undone if it raises: each file is cut back to
+  the length it had (one that did not exist is removed), so a full disk never leaves part of
+  a record, nor records a retry would append again. Cutting back needs no space."""
+  sizes = {}
+  for p in map(os.fspath, paths):
+    sizes[p] = os.path.getsize(p) if os.path.lexists(p) else None
+  try:
+    yield
   except BaseException:
-    with contextlib.suppress(OSError):
-      os.unlink(tmp)
+    for p, size in sizes.items():
+      with contextlib.suppress(OSError):
+        if size is None:
+          os.unlink(p)
+        else:
+          os.truncate(p, size)
     raise
 
 

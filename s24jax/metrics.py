@@ -4,13 +4,16 @@ The workdir gets `metrics.jsonl` (one record per write: the log of a step, an ev
 scalars; a step can have several records, `read_jsonl`/`series` read them all), TensorBoard
 event files under `tensorboard/`, and `metrics.png`.
 
-A last line that is not a whole record (what a crash or a full disk during a write leaves) is
-dropped with a warning, never the records before it; a resumed run keeps its text in
-`metrics.jsonl.torn`. A bad line anywhere else is a `MetricsFileError` naming the line (the
-file was edited or damaged): nothing is rewritten then.
+Each record is appended whole or not at all (a write a full disk cuts short is cut back), and
+a resumed run rewrites the log all or nothing (`set_aside`). A last line that is not a whole
+record (what a crash during a write leaves) is dropped with a warning, never the records
+before it; a resumed run keeps its text in `metrics.jsonl.torn`. A bad line anywhere else is
+a `MetricsFileError` naming the line (the file was edited or damaged): nothing is rewritten
+then.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -25,6 +28,7 @@ from s24jax import destinations
 from s24jax import errors
 
 TORN_SUFFIX = ".torn"   # where a resumed run keeps a torn last line's text
+SUPERSEDED_NAME = "metrics.superseded.jsonl"   # an earlier attempt's records past the resume
 
 # Dense bf16 peak FLOP/s per device, for MFU when config.peak_flops is 0.
 PEAK_FLOPS = {"h100": 989e12, "h200": 989e12, "a100": 312e12, "v100": 125e12,
@@ -69,7 +73,8 @@ class MetricWriter:
     self._written_at_resume: set[str] = set()
     if enabled and resume_step and os.path.exists(self.jsonl_path):
       self._truncate_after(resume_step)
-    self._jsonl = open(self.jsonl_path, "a", encoding="utf-8") if enabled else None
+    # Unbuffered: a record is written when `write` returns, or cut back (`_append`).
+    self._jsonl = open(self.jsonl_path, "ab", buffering=0) if enabled else None
     self._tb = None
     if tensorboard and enabled:
       self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"),
@@ -77,25 +82,15 @@ class MetricWriter:
 
   def _truncate_after(self, step: int) -> None:
     records, torn = split_jsonl(self.jsonl_path)
-    if torn is not None:
-      with open(self.jsonl_path + TORN_SUFFIX, "a", encoding="utf-8") as f:
-        f.write(torn + "\n")
-      logging.warning("%s: its last line was not a whole record (what a crash or a full disk "
-                      "during a write leaves): dropped, its text kept in %s%s", self.jsonl_path,
-                      self.jsonl_path, TORN_SUFFIX)
     records = _last_of_each(records)
     kept = [r for r in records if r["step"] <= step]
-    superseded = [r for r in records if r["step"] > step]
     for r in kept:
       self.history.update({k: v for k, v in r.items() if k != "step"})
       if r["step"] == step:
         self._written_at_resume.update(k for k in r if k != "step")
-    if superseded:
-      with open(os.path.join(self.workdir, "metrics.superseded.jsonl"), "a",
-                encoding="utf-8") as f:
-        for r in superseded:
-          f.write(json.dumps(r) + "\n")
-    destinations.write_atomic(self.jsonl_path, "".join(json.dumps(r) + "\n" for r in kept))
+    superseded = [r for r in records if r["step"] > step]
+    set_aside(self.jsonl_path, "".join(json.dumps(r) + "\n" for r in superseded), torn,
+              "".join(json.dumps(r) + "\n" for r in kept))
 
   def write(self, step: int, scalars: dict[str, Any]) -> None:
     if not self.enabled:
@@ -110,8 +105,20 @@ class MetricWriter:
         self._tb.add_scalar(k, v, int(step))
     if len(record) == 1:
       return
-    self._jsonl.write(json.dumps(record) + "\n")
-    self._jsonl.flush()
+    self._append(json.dumps(record) + "\n")
+
+  def _append(self, line: str) -> None:
+    """`line` appended whole or not at all: a failed write (a full disk, after a short write
+    perhaps) cuts the log back to its last whole record, so no later record follows half a
+    line (which a reader could only call a damaged file)."""
+    data, end = memoryview(line.encode("utf-8")), self._jsonl.seek(0, os.SEEK_END)
+    try:
+      while data:
+        data = data[self._jsonl.write(data):]
+    except OSError:
+      with contextlib.suppress(OSError):
+        os.ftruncate(self._jsonl.fileno(), end)   # cutting back needs no space
+      raise
 
   def write_text(self, tag: str, text: str) -> None:
     if self._tb is not None:
@@ -129,6 +136,29 @@ class MetricWriter:
       self._jsonl.close()
     if self._tb is not None:
       self._tb.close()
+
+
+def set_aside(jsonl_path: str, superseded: str, torn: str | None, kept: str | None) -> None:
+  """The log of a resumed or restarted run: `superseded` (whole lines, an earlier attempt's
+  records past the resume step) appended to metrics.superseded.jsonl, a torn last line's
+  text to metrics.jsonl.torn, and `kept` written as the log (None: the log removed). All or
+  nothing (destinations.appending): a full disk midway leaves every file as it was, so the
+  next start sets the same records aside once."""
+  aside = os.path.join(os.path.dirname(jsonl_path), SUPERSEDED_NAME)
+  with destinations.appending(aside, jsonl_path + TORN_SUFFIX):
+    for path, text in ((aside, superseded), (jsonl_path + TORN_SUFFIX,
+                                             None if torn is None else torn + "\n")):
+      if text:
+        with open(path, "a", encoding="utf-8") as f:
+          f.write(text)
+    if kept is None:
+      os.remove(jsonl_path)
+    else:
+      destinations.write_atomic(jsonl_path, kept)
+  if torn is not None:
+    logging.warning("%s: its last line was not a whole record (what a crash or a full disk "
+                    "during a write leaves): dropped, its text kept in %s%s", jsonl_path,
+                    jsonl_path, TORN_SUFFIX)
 
 
 class MetricsFileError(errors.UserError):
@@ -220,7 +250,8 @@ def plot(jsonl_path: str, png_path: str, *, title: str = "") -> str:
     ax_flip.text(0.5, 0.5, "no sparse layers", ha="center", transform=ax_flip.transAxes)
   fig.suptitle(title)
   fig.tight_layout()
-  fig.savefig(png_path, dpi=110)
+  with destinations.atomic_file(png_path) as f:   # a full disk keeps the earlier plot
+    fig.savefig(f, format="png", dpi=110)
   return png_path
 
 

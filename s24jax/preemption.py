@@ -29,6 +29,7 @@ import numpy as np
 from absl import logging
 from jax.experimental import multihost_utils
 
+from s24jax import destinations
 from s24jax import errors
 
 EXIT_CODE = errors.EXIT_PREEMPTED
@@ -114,14 +115,13 @@ PENDING_FILE = "pending_metrics.json"
 
 def save_pending(workdir: str, step: int, pending: list[dict]) -> None:
   """The fetched metrics of the steps since the last log, kept for the resumed run of `step`
-  (written atomically; a preempted run's `save_and_stop` calls it)."""
+  (written whole or not at all: destinations.write_atomic; a preempted run's
+  `save_and_stop` calls it)."""
   path = os.path.join(workdir, PENDING_FILE)
   # With their dtypes: the log sums them as the uninterrupted run would (float32, not 64).
   records = [{k: [np.asarray(v).tolist(), str(np.asarray(v).dtype)] for k, v in m.items()}
              for m in pending]
-  with open(path + ".tmp", "w", encoding="utf-8") as f:
-    json.dump({"step": step, "metrics": records}, f)
-  os.replace(path + ".tmp", path)
+  destinations.write_atomic(path, json.dumps({"step": step, "metrics": records}))
 
 
 def load_pending(workdir: str, step: int) -> list[dict]:

@@ -124,8 +124,13 @@ class WorkdirLock:
         fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
       except FileExistsError:
         return False
-      with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(me, f)
+      try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+          json.dump(me, f)
+      except BaseException:   # a full disk: no half lock left (it would stop the next run)
+        with contextlib.suppress(OSError):
+          os.remove(self.path)
+        raise
       return True
     finally:
       with contextlib.suppress(OSError):
@@ -387,11 +392,5 @@ def supersede_metrics(workdir: str) -> None:
   with open(path, encoding="utf-8", errors="replace") as f:
     old = f.read()
   whole, _, torn = old.rpartition("\n") if not old.endswith("\n") else (old, "", "")
-  if whole.strip():
-    with open(os.path.join(workdir, "metrics.superseded.jsonl"), "a", encoding="utf-8") as f:
-      f.write(whole.rstrip("\n") + "\n")
-  if torn.strip():   # a record torn by a crash or a full disk: kept aside, not as a record
-    with open(path + ".torn", "a", encoding="utf-8") as f:
-      f.write(torn + "\n")
-    logging.warning("%s: its last line was not a whole record: kept in %s.torn", path, path)
-  os.remove(path)
+  metrics_lib.set_aside(path, whole.rstrip("\n") + "\n" if whole.strip() else "",
+                        torn if torn.strip() else None, None)

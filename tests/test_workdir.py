@@ -1,7 +1,9 @@
 """Tests for s24jax/workdir.py: one run per workdir (a lock left by a dead process is taken
 over and released, and so is an empty or unreadable one; a live holder is refused by name,
 with the workdir unchanged, byte for byte; a full or read-only disk is one line and leaves no
-lock) and a workdir written before the method key's rename is refused naming the new key."""
+lock, not even part of one where the filesystem has no hard links) and a workdir written
+before the method key's rename is refused naming the new key."""
+import errno
 import json
 import logging
 import os
@@ -84,6 +86,22 @@ def test_a_workdir_on_a_full_or_read_only_disk_is_one_line_and_leaves_no_lock(
   assert snapshot(tmp_path) == before
   with workdir_lib.WorkdirLock(str(existing)):   # space freed: the workdir is free
     assert (existing / workdir_lib.LOCK_NAME).exists()
+
+
+def test_a_full_disk_without_hard_links_leaves_no_part_of_a_lock(tmp_path, monkeypatch):
+  """Where os.link is not supported the lock is created exclusively, then written: a disk
+  that fills in that write (the temporary copy fits, 10 bytes of the lock do) leaves none."""
+  lock = {"host": socket.gethostname(), "pid": os.getpid(), "started": "2024-01-01T00:00:00+0000"}
+  before = snapshot(tmp_path)
+  with monkeypatch.context() as m:
+    Faults(m).full(tmp_path, ops=("write",), free_bytes=len(json.dumps(lock)) + 10)
+
+    def no_hard_links(src, dst):
+      raise OSError(errno.EPERM, os.strerror(errno.EPERM), src)
+    m.setattr(os, "link", no_hard_links)
+    with pytest.raises(errors.UserError, match="no space left on the device") as e:
+      workdir_lib.WorkdirLock(str(tmp_path)).acquire()
+  assert "\n" not in str(e.value) and snapshot(tmp_path) == before
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root ignores file modes (the simulated "

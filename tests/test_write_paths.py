@@ -7,9 +7,10 @@ wrong and what to do, no traceback, and every file before and after (tests/fault
 `snapshot`, the sha256 of each file). The faults are simulated at Python's file-system entry
 points (tests/faults.py says why and what that cannot reach).
 
-Commands: launch.py (the notebook's `loop.train_and_evaluate` is the same path behind it),
-`python -m s24jax.evaluate`, `.export`, `.plan` (its checks, before the compile plugin, and
-its write after a compile whose report the test gives);
+Commands: launch.py (the notebook's `loop.train_and_evaluate` is the same path behind it;
+and a preempted run's pending metrics), `python -m s24jax.evaluate`, `.export`, `.plan` (its
+checks, before the compile plugin, and its write after a compile whose report the test
+gives), the comparison scripts' table.md (`compare.script_main`, its runs stubbed);
 `python -m s24jax.flops` writes nothing (its config errors: tests/test_errors.py). Runs are
 copies of the session's trained run (tests/conftest.py `undisturbed`): a finished run,
 restored, never trained again here."""
@@ -24,6 +25,7 @@ import socket
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from absl import flags
 from absl import logging as absl_logging
@@ -31,11 +33,13 @@ from flax import traverse_util
 from safetensors import SafetensorError
 
 import launch
+from s24jax import compare
 from s24jax import config_files
 from s24jax import errors
 from s24jax import evaluate
 from s24jax import export
 from s24jax import plan
+from s24jax import preemption
 from s24jax import trained as trained_lib
 from s24jax.kernels import aot
 
@@ -202,6 +206,20 @@ def test_launch_write_faults(finished, launch_main, tmp_path, monkeypatch):
   assert _run_files(snapshot(run)) == _run_files(before_run)
 
 
+def test_a_preempted_runs_pending_metrics_on_a_full_disk(tmp_path, monkeypatch):
+  """The metrics a SIGTERM stop keeps (preemption.save_pending) on a disk that fills midway:
+  the earlier file whole, no temporary left."""
+  preemption.save_pending(str(tmp_path), 10, [{"train/loss": np.float32(1.5)}])
+  before = snapshot(tmp_path)
+  with monkeypatch.context() as m:
+    Faults(m).full(tmp_path, free_bytes=20)   # part of the new file fits
+    with pytest.raises(OSError) as e:
+      preemption.save_pending(str(tmp_path), 20, [{"train/loss": np.float32(2.5)}] * 3)
+  assert "No space left" in str(e.value) and snapshot(tmp_path) == before
+  [pending] = preemption.load_pending(str(tmp_path), 10)
+  assert pending["train/loss"].dtype == np.float32 and pending["train/loss"] == 1.5
+
+
 # ---------------------------------------------------------------------------------------------
 # python -m s24jax.evaluate
 
@@ -361,3 +379,65 @@ def test_plan_checks_its_report_path_before_compiling(tmp_path, monkeypatch, cap
   assert path.read_bytes() == earlier
   assert plan.main(["--config", EXPERIMENT, "--json", str(path)]) == 0   # the disk freed
   assert json.loads(path.read_text())["earlier"] is False
+
+
+# ---------------------------------------------------------------------------------------------
+# experiments/compare_*.py (compare.script_main): ROOT/table.md
+
+
+def test_compare_replaces_only_its_own_table(tmp_path, monkeypatch, capsys):
+  arm = compare.Arm("dense", "experiments/gpt2_dense.py:tiny")
+  table = compare.markdown_table([(arm, dict.fromkeys(
+      ("val_loss", "train_loss", "unigram", "flip_end", "flip_peak", "tok_s", "wall_s"), 1.0))])
+
+  def script(root, *extra):
+    try:
+      compare.script_main("a comparison", [arm], "unused", argv=["--root", str(root), *extra])
+      code = 0
+    except SystemExit as e:
+      code = e.code
+    return code, capsys.readouterr()
+
+  def no_runs(*a, **k):
+    raise AssertionError("a run started before ROOT/table.md was checked")
+
+  users, folder, a_file = tmp_path / "users", tmp_path / "folder", tmp_path / "a_file"
+  users.mkdir()
+  (users / "table.md").write_text("# my notes on the runs\n")
+  (folder / "table.md").mkdir(parents=True)
+  a_file.write_text("x")
+  new = tmp_path / "new"
+  before = snapshot(tmp_path)
+  for fault, root, extra, says in (
+      (None, users, (), f"--root {users / 'table.md'} exists and is not a comparison table"),
+      (None, folder, (), f"{folder / 'table.md'} is a folder, not a comparison table"),
+      (None, a_file / "r", (), f"{a_file} is a file, not a folder"),
+      ("readonly", new, (), "the filesystem is read-only"),
+      ("full", new, (), "no space left on the device"),
+      (None, new, ("--only", "sparse"), "--only: unknown runs ['sparse']; valid: dense")):
+    with monkeypatch.context() as m:
+      if fault:
+        getattr(Faults(m), fault)(tmp_path)
+      m.setattr(compare, "run_all", no_runs)
+      code, out = script(root, *extra)
+    assert code == errors.EXIT_USER and out.out == "", out
+    _one_line(out.err, says)
+    assert out.err.count("\n") == 1 and snapshot(tmp_path) == before, root
+
+  # An earlier table of this command is replaced; then the disk fills during the runs: the
+  # table is printed, one line, exit 5, the earlier table whole.
+  (new / "table.md").parent.mkdir()
+  (new / "table.md").write_text(table.replace("1.000", "2.000") + "\n")
+  monkeypatch.setattr(compare, "run_all", lambda *a, **k: table)
+  assert script(new) == (0, (table + "\n", ""))
+  assert (new / "table.md").read_text() == table + "\n"
+  earlier = snapshot(new)
+
+  def disk_fills(*a, **k):
+    Faults(monkeypatch).full(new, free_bytes=len(table) // 2)
+    return table.replace("1.000", "3.000")
+  monkeypatch.setattr(compare, "run_all", disk_fills)
+  code, out = script(new)
+  assert code == errors.EXIT_STORAGE and out.out == table.replace("1.000", "3.000") + "\n", out
+  _one_line(out.err, f"cannot write the table {new / 'table.md'}: no space left on the device")
+  assert "The table above holds the results" in out.err and snapshot(new) == earlier

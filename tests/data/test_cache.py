@@ -1,13 +1,16 @@
 """Tests for s24jax/data/cache.py, the token cache (`load_tokens`): an entry reused while its
 source is unchanged and invalidated when it changes, one entry per tokenizer, rebuilt with a
 warning when a file no longer matches the checksum written with it (zeroed at the same size,
-truncated), the checksum's sampled form for large files, and the loop's refusal of a model
-vocabulary smaller than the cache's tokenizer (`validate.load_tokens`). References: the TFDS
-dataset read back with the public TFDS API, the UTF-8 bytes of its documents, the .txt
-files written here and their GPT-2 BPE plus <|endoftext|>, hashlib over chosen blocks."""
+truncated), the checksum's sampled form for large files, the loop's refusal of a model
+vocabulary smaller than the cache's tokenizer (`validate.load_tokens`), and a full disk
+during a build (tests/faults.py), which leaves no entry that looks valid nor a temporary file.
+References: the TFDS dataset read back with the public TFDS API, the UTF-8 bytes of its
+documents, the .txt files written here and their GPT-2 BPE plus <|endoftext|>, hashlib over
+chosen blocks."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import pathlib
@@ -19,9 +22,12 @@ import tensorflow_datasets as tfds
 from s24jax import config as config_lib
 from s24jax import validate
 from s24jax.data import cache
+from s24jax.data import sources
 from s24jax.data import text_corpus
+from s24jax.data import tokenizer
 
 from data_helpers import FOLDER_DOCS, cfg, make_folder, reference_stream
+from faults import Faults
 
 
 def bpe_key(cache_dir) -> str:
@@ -127,3 +133,40 @@ def test_the_checksum_of_a_large_file_samples_evenly_spaced_blocks(tmp_path, mon
   whole = hashlib.blake2b(b'1000', digest_size=16)
   whole.update(bytes(data[:1000]))
   assert cache.file_checksum(small) == f'blake2b:{whole.hexdigest()}'
+
+
+HAND_DOCS = {'train': [('a', 'the first document, ' * 10), ('b', 'naïve')], 'val': [('c', 'held')]}
+PROBE_BYTES = 4096   # destinations.probe: what the folder check writes (and removes)
+
+
+def _byte_ids(docs) -> np.ndarray:
+  """The bytes tokenizer's stream, by hand: each document's UTF-8 bytes, then 256."""
+  return np.asarray([i for _, text in docs for i in [*text.encode('utf-8'), 256]], np.uint16)
+
+
+@pytest.mark.parametrize('cut_in', ['train.bin', 'meta.json'])
+def test_a_full_disk_during_a_build_leaves_no_entry_that_looks_valid(cut_in, tmp_path,
+                                                                      monkeypatch):
+  """The disk fills (tests/faults.py: a short write, then ENOSPC) in the first split, or in
+  the sidecar once both splits are written: no sidecar, no temporary file, no part of a file;
+  once space is freed the entry is built whole."""
+  source = sources.Source(name='hand', key={'hand': 1},
+                          open_splits=lambda: {s: iter(d) for s, d in HAND_DOCS.items()})
+  enc = tokenizer.by_name('bytes')
+  splits_bytes = sum(2 * len(_byte_ids(d)) for d in HAND_DOCS.values())
+  root = tmp_path / 'cache'
+  root.mkdir()
+  with monkeypatch.context() as m:
+    free = PROBE_BYTES + (100 if cut_in == 'train.bin' else splits_bytes + 10)
+    Faults(m).full(root, ops=('write',), free_bytes=free)   # its folders can still be made
+    with pytest.raises(OSError) as e:
+      cache.prepare_token_cache(source, root, enc)
+  assert e.value.errno == errno.ENOSPC
+  left = sorted(p.name for p in root.rglob('*') if p.is_file())
+  assert left == ([] if cut_in == 'train.bin' else ['train.bin', 'val.bin']), left
+  directory, meta = cache.prepare_token_cache(source, root, enc)
+  for split, docs in HAND_DOCS.items():
+    np.testing.assert_array_equal(np.fromfile(directory / f'{split}.bin', np.uint16),
+                                  _byte_ids(docs))
+    assert meta['splits'][split]['num_docs'] == len(docs)
+  assert sorted(p.name for p in directory.iterdir()) == ['meta.json', 'train.bin', 'val.bin']
