@@ -29,7 +29,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from s24jax import checkpoint as ckpt_lib
 from s24jax import errors
+from s24jax import model as model_lib
+from s24jax import phases
+from s24jax import sharding
 from s24jax import train
 from s24jax.step_info import StepInfo
 
@@ -103,6 +107,22 @@ def compile_first_step(config, spec, partitioner, model_cfg, model, tx, batch, *
   if dev.platform == "cpu":
     say_cpu_cost(config, compiled)
   return FirstStep(model_cfg, compiled, needed)
+
+
+def first_step(config, checked, workdir: str, *, source: str = "") -> FirstStep:
+  """The train step of the model the run starts with (a resumed run: the model of its last
+  step), compiled on the state's shapes and the batch's (global, split over the mesh's
+  devices), checked against the device's memory (`compile_first_step`). Writes nothing."""
+  spec = checked.spec
+  step = ckpt_lib.newest_step_on_disk(workdir) or 0
+  model_cfg = phases.model_at(step - 1, spec.model_cfg, spec.facts) if step else spec.model_cfg
+  partitioner = sharding.Partitioner(checked.mesh)
+  tokens = jax.ShapeDtypeStruct((config.batch_size, config.model.seq_len), jnp.int32,
+                                sharding=partitioner.batch)   # as loop.shard_batch makes it
+  abstract = spec.abstract_state
+  return compile_first_step(config, spec, partitioner, model_cfg, model_lib.build(model_cfg),
+                            spec.tx(abstract.params, abstract.sparsity),
+                            {"inputs": tokens, "targets": tokens}, source=source)
 
 
 def _micro_batches(per_device: int) -> list[int]:

@@ -201,7 +201,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   with lock, preemption.Guard() as guard:
     with guard.at_once():   # a signal during the checks stops at once: nothing written yet
       checked = validate.check_run(config, workdir, allow_unmatched_layers=allow_unmatched_layers)
-      first = first_step(config, checked, workdir, source=source)   # fits, or exit 6
+      first = fit.first_step(config, checked, workdir, source=source)   # fits, or exit 6
     if on_start is not None:
       on_start()
     run = Run.create(config, workdir, checked, first)
@@ -243,23 +243,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
       destinations.write_atomic(final_path, json.dumps(   # a torn file would block the next run
           {k: float(v) for k, v in run.final.items() if v is not None}, indent=2))
   return run.final
-
-
-def first_step(config: ml_collections.ConfigDict, checked: validate.Checked, workdir: str,
-               *, source: str = "") -> fit.FirstStep:
-  """The train step of the model the run starts with (a resumed run: the model of its last
-  step), compiled on the state's shapes and the first batch, checked against the device's
-  memory (fit.py). Writes nothing."""
-  spec = checked.spec
-  step = ckpt_lib.newest_step_on_disk(workdir) or 0
-  model_cfg = phases.model_at(step - 1, spec.model_cfg, spec.facts) if step else spec.model_cfg
-  partitioner = sharding.Partitioner(checked.mesh)
-  abstract = spec.abstract_state
-  batch = shard_batch(local_batch(checked.data.train, config, step), partitioner)
-  return fit.compile_first_step(config, spec, partitioner, model_cfg,
-                                model_lib.build(model_cfg),
-                                spec.tx(abstract.params, abstract.sparsity), batch,
-                                source=source)
 
 
 def _close(run: "Run") -> None:
@@ -349,7 +332,8 @@ def standard_chores(run: Run) -> list[chores_lib.Chore]:
   def log(run):
     pending, run.pending = jax.device_get(run.pending), []   # waits for the steps
     check_finite(run, pending)
-    scalars = summarise(pending, run.clock.lap(), fpt, peak)
+    scalars = metrics_lib.summarise(pending, run.clock.lap(), fpt, peak,
+                                    latest=methods_base.STATE_METRICS)
     scalars["train/lr"] = float(lr_fn(run.info.step))   # the lr of the step just taken
     scalars["train/dense_phase"] = float(run.method.sparse and not run.sparse_phase)
     scalars.update(flops.scalars())
@@ -407,25 +391,3 @@ def check_finite(run: Run, pending: list[dict]) -> None:
           f"step {step}: the {what} is not finite ({value}); training stopped. Nothing "
           f"non-finite was saved; {where}. Lower optim.lr (or set optim.grad_clip) and "
           "resume from it, or start a new --workdir.")
-
-
-def summarise(pending: list[dict], seconds: float, flops_per_token: float,
-              peak: float | None) -> dict[str, float]:
-  """Host-side reduction of the fetched metrics of one log interval: the mean loss per token,
-  the mean of every other metric over the steps that measured it (NaN = no measurement),
-  except method state ('method/...', methods.base.STATE_METRICS), which is its latest value."""
-  out = {"train/loss": float(sum(m["loss"] for m in pending) / sum(m["count"] for m in pending))}
-  for k in pending[-1]:
-    if k in ("loss", "count", "finite"):
-      continue
-    if k.startswith(methods_base.STATE_METRICS):
-      out[f"train/{k}"] = float(pending[-1][k])
-      continue
-    values = np.asarray([m[k] for m in pending], np.float64)
-    if not np.isnan(values).all():
-      out[f"train/{k}"] = float(np.nanmean(values))
-  tokens = sum(m["count"] for m in pending)
-  out["perf/tokens_per_sec"] = float(tokens / seconds)
-  out["perf/mfu"] = metrics_lib.mfu(out["perf/tokens_per_sec"], flops_per_token, peak,
-                                    jax.device_count())
-  return out

@@ -268,3 +268,25 @@ def _plot_activation_sparsity(ax, records, layers) -> None:
   ax.set_xlabel("step"), ax.set_ylabel("fraction")
   ax.set_title("FFN activations", fontsize=9)
   ax.legend(fontsize=6, ncol=2)
+
+
+def summarise(pending: list[dict], seconds: float, flops_per_token: float,
+              peak: float | None, *, latest: str) -> dict[str, float]:
+  """Host-side reduction of the fetched metrics of one log interval (the loop's log): the mean
+  loss per token, the mean of every other metric over the steps that measured it (NaN = no
+  measurement), except those starting with `latest` (method state: methods.base.STATE_METRICS),
+  which keep their latest value."""
+  out = {"train/loss": float(sum(m["loss"] for m in pending) / sum(m["count"] for m in pending))}
+  for k in pending[-1]:
+    if k in ("loss", "count", "finite"):
+      continue
+    if k.startswith(latest):
+      out[f"train/{k}"] = float(pending[-1][k])
+      continue
+    values = np.asarray([m[k] for m in pending], np.float64)
+    if not np.isnan(values).all():
+      out[f"train/{k}"] = float(np.nanmean(values))
+  tokens = sum(m["count"] for m in pending)
+  out["perf/tokens_per_sec"] = float(tokens / seconds)
+  out["perf/mfu"] = mfu(out["perf/tokens_per_sec"], flops_per_token, peak, jax.device_count())
+  return out

@@ -28,7 +28,7 @@ def _needed(config, accum: int) -> int:
   config = config.copy_and_resolve_references()
   config.grad_accum_steps = accum
   checked = validate.check_run(config, "/nonexistent/s24jax_fit_probe")
-  first = loop.first_step(config, checked, "/nonexistent/s24jax_fit_probe")
+  first = fit.first_step(config, checked, "/nonexistent/s24jax_fit_probe")
   return first.needed
 
 

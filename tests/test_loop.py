@@ -27,7 +27,6 @@ from s24jax import config_files
 from s24jax import errors
 from s24jax import loop
 from s24jax import preemption
-from s24jax import train
 from s24jax import validate
 from s24jax.run_spec import RunSpec
 from s24jax.step_info import StepInfo
@@ -236,16 +235,16 @@ def test_the_loop_passes_each_steps_info_to_the_train_step(tmp_path, data_cache,
   signal stops the run within a step or two."""
   total, log_every = 7, 3
   seen, dispatched, unfinished = [], [], []
-  real = train.train_step
+  real = loop.Run.train_step   # the step: the executable compiled before the run (fit.py)
 
-  def recording(state, batch, info=None, **kwargs):
+  def recording(self, state, batch, info):
     seen.append(info)
     unfinished.append(sum(not m["loss"].is_ready() for m in dispatched))
-    out = real(state, batch, info, **kwargs)
+    out = real(self, state, batch, info)
     dispatched.append(out[1])
     return out
 
-  monkeypatch.setattr(train, "train_step", recording)
+  monkeypatch.setattr(loop.Run, "train_step", recording)
   cfg = tiny_config("ste", steps=total, workdir_cache=data_cache,
                     overrides={"log_every": log_every, "checkpoint_every": 100,
                                "eval_every": 100})
