@@ -20,6 +20,7 @@ layout with the library (tests/kernels/test_cusparselt_compression.py).
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import threading
 
 from absl import logging
@@ -107,20 +108,28 @@ def compress(a: jax.Array, gemm: ops.Gemm, *, b_dtype, d_dtype) -> jax.Array:
     return layout.compress(a, lay)
 
 
-def probe_operand(m: int, k: int, dtype, seed: int = 0) -> np.ndarray:
+def probe_operand(m: int, k: int, dtype, seed: int = 0) -> jax.Array:
   """op(A) (m, k) with exactly two non-zeros per group of four, at random positions, of
-  magnitudes in [1, 2) (no FP8 underflow) with random signs."""
-  rng = np.random.default_rng(seed)
-  mags = 1.0 + rng.random((m, k)).astype(np.float32)                 # in [1, 2): no underflow
-  signs = np.where(rng.random((m, k)) < 0.5, -1.0, 1.0).astype(np.float32)
-  keep = (rng.random((m, k // 4, 4)).argsort(-1).argsort(-1) < 2).reshape(m, k)
-  return np.asarray(jnp.asarray(np.where(keep, mags * signs, 0.0)).astype(dtype))
+  magnitudes in [1, 2) (no FP8 underflow) with random signs; made on the device (jitted: the
+  steps' operands reach hundreds of millions of values)."""
+  return _probe(m, k, jnp.dtype(dtype), seed)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _probe(m: int, k: int, dtype, seed: int) -> jax.Array:
+  kr, km, ks = jax.random.split(jax.random.key(seed), 3)
+  rank = [jax.random.uniform(r, (m, k // 4)) for r in jax.random.split(kr, 4)]
+  keep = _common.top2_of4(rank)                                      # 4 x (m, k/4): 2 kept
+  mags = 1.0 + jax.random.uniform(km, (m, k // 4, 4))
+  signs = jnp.where(jax.random.bernoulli(ks, 0.5, (m, k // 4, 4)), -1.0, 1.0)
+  values = jnp.where(jnp.stack(keep, -1), mags * signs, 0.0)         # (m, k/4, 4)
+  return values.reshape(m, k).astype(dtype)
 
 
 def mismatch(gemm: ops.Gemm, a_dtype, lay: layout.Layout) -> str | None:
   """None if s24jax's bytes for a probe operand of `gemm`'s A equal the library's on this GPU,
   else where they first differ (or the library's error)."""
-  op_a = jnp.asarray(probe_operand(gemm.m, gemm.k, a_dtype))
+  op_a = probe_operand(gemm.m, gemm.k, a_dtype)
   b_dtype = a_dtype
   d_dtype = jnp.float32 if jnp.dtype(a_dtype).itemsize == 1 else a_dtype
   try:

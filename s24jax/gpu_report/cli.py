@@ -130,6 +130,15 @@ def check_out(out: str, name: str) -> None:
         "it is; choose another --out or --name (nothing was written)")
 
 
+def pinned_cusparselt() -> str:
+  """The cuSPARSELt version the repository pins, or 'unknown: why' (the report still runs)."""
+  from s24jax.kernels.cusparselt import library  # pylint: disable=g-import-not-at-top  (jax)
+  try:
+    return library.pinned_version()
+  except ValueError as e:
+    return f"unknown: {e}"
+
+
 def run(args, names: tuple[str, ...], start: float, command: str) -> int:
   os.makedirs(args.out, exist_ok=True)
   jsonl = os.path.join(args.out, args.name + ".jsonl")
@@ -147,13 +156,15 @@ def run(args, names: tuple[str, ...], start: float, command: str) -> int:
     env["JAX_PLATFORMS"] = "cpu"
   end = start + args.budget
   rows.append(jsonl, {"section": "report", "row": "start", "status": "ok", "command": command,
-                      "budget": args.budget, "smoke": args.smoke, "sections": list(names)})
+                      "budget": args.budget, "smoke": args.smoke, "sections": list(names),
+                      "cusparselt_pinned": pinned_cusparselt()})
   old_handlers = {s: signal.signal(s, _raise) for s in (signal.SIGTERM, signal.SIGINT)}
-  reason, code = "every section ran or was skipped", 0
+  reason, code, warned = "every section ran or was skipped", 0, None
   try:
     for i, name in enumerate(names):
       run_section(sections_lib.BY_NAME[name], names[i:], end, jsonl, files, env, args.smoke)
       write_markdown(jsonl, md)
+      warned = warned or print_warning(jsonl)
   except Stopped as e:
     reason, code = f"stopped by {e}", errors.EXIT_PREEMPTED
   finally:
@@ -164,7 +175,17 @@ def run(args, names: tuple[str, ...], start: float, command: str) -> int:
     write_markdown(jsonl, md)
   print(f"s24jax.gpu_report: {reason} in {time.time() - start:.0f} s of {args.budget:.0f}; "
         f"wrote {md} and {jsonl}", flush=True)
+  print_warning(jsonl)        # again, beside the summary
   return code
+
+
+def print_warning(jsonl: str) -> str | None:
+  """Prints the record's warning that a cuSPARSELt other than the pinned one ran
+  (markdown.version_warning), if it has one; returns it."""
+  warning = markdown.version_warning(rows.read(jsonl))
+  if warning:
+    print(f"s24jax.gpu_report: WARNING: {warning}", flush=True)
+  return warning
 
 
 def run_section(spec: sections_lib.Section, names: tuple[str, ...], end: float, jsonl: str,
@@ -198,7 +219,8 @@ def run_section(spec: sections_lib.Section, names: tuple[str, ...], end: float, 
   else:
     # The child starts no row it cannot end by its deadline, a few seconds before the cap.
     cmd = [sys.executable, "-m", "s24jax.gpu_report.section", spec.name, "--jsonl", jsonl,
-           "--deadline", repr(time.time() + cap - 3.0), *(["--smoke"] if smoke else [])]
+           "--deadline", repr(time.time() + cap - 3.0), "--files", files,
+           *(["--smoke"] if smoke else [])]
     code, seconds = children.run(cmd, cwd=REPO, env=env, log_path=log, timeout=cap)
     if code is None:
       section.cut(f"its process was stopped at the section's cap of {cap:.0f} s; the rows "

@@ -1,4 +1,5 @@
-"""The environment section: what ran the report (device, driver, every version, the commit)."""
+"""The environment section: what ran the report (device, driver, every version, the commit)
+and which libcusparseLt its process loaded, s24jax's first, then torch's (libraries.py)."""
 from __future__ import annotations
 
 import datetime
@@ -6,9 +7,11 @@ import importlib.metadata
 import os
 import platform
 import subprocess
+import sys
 
 import jax
 
+from s24jax.gpu_report import libraries
 from s24jax.kernels.cusparselt import library
 
 # Distributions whose versions the report names (the first installed of each group).
@@ -47,19 +50,15 @@ def _cuda_version_from_smi(text: str) -> str | None:
 
 
 def _torch() -> dict:
-  """torch's version and whether its cuSPARSELt can run here (the GEMMs' peer)."""
+  """torch's version and whether its cuSPARSELt can run here (the GEMMs' peer; its
+  cuSPARSELt's version is in `libraries`)."""
   try:
     import torch  # pylint: disable=g-import-not-at-top  (optional: the host image's peer)
   except ImportError as e:
     return {"torch": f"not importable: {e}"}
-  out = {"torch": torch.__version__, "torch_cuda": torch.version.cuda,
-         "torch_cuda_available": bool(torch.cuda.is_available()),
-         "torch_has_cslt_sparse_mm": hasattr(torch, "_cslt_sparse_mm")}
-  try:
-    out["torch_cusparselt"] = torch.backends.cusparselt.version()
-  except Exception as e:  # pylint: disable=broad-except  (a fact to record, not a failure)
-    out["torch_cusparselt"] = f"unknown: {type(e).__name__}"
-  return out
+  return {"torch": torch.__version__, "torch_cuda": torch.version.cuda,
+          "torch_cuda_available": bool(torch.cuda.is_available()),
+          "torch_has_cslt_sparse_mm": hasattr(torch, "_cslt_sparse_mm")}
 
 
 def environment() -> dict:
@@ -78,8 +77,12 @@ def environment() -> dict:
   env["nvidia_smi"] = smi
   env["cuda_driver_api"] = _cuda_version_from_smi(_run(["nvidia-smi"])) if "not run" not in smi \
       else None
+  # s24jax's libcusparseLt loaded first, as in the GEMMs' process, then torch's (libraries.py).
+  env["libraries"] = libraries.snapshot(register=True)
   env["git_commit"] = _run(["git", "rev-parse", "--short", "HEAD"])
   env["git_dirty"] = bool(_run(["git", "status", "--porcelain", "--untracked-files=no"])) \
       if not env["git_commit"].startswith(("not run", "fatal")) else None
   env.update(_torch())
+  if "torch" in sys.modules:
+    env["libraries"]["torch"] = libraries.torch_side()
   return env

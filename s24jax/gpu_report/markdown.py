@@ -1,28 +1,75 @@
 """The report's markdown, regenerated from its record (rows.py) at any point: after each
-section, at the end, after a SIGTERM, or later (`--markdown-from`)."""
+section, at the end, after a SIGTERM, or later (`--markdown-from`). Its first lines say so
+when a row ran on a cuSPARSELt other than the pinned one (`version_warning`); each section
+ends with the libcusparseLt its processes used (`libraries_lines`, from the rows'
+`libraries`: libraries.py); markdown_gemms.py renders the cuSPARSELt sections' tables."""
 from __future__ import annotations
 
 import collections
-from typing import Any
 
+from s24jax.gpu_report import markdown_gemms
 from s24jax.gpu_report import sections as sections_lib
 
 ENV_FIELDS = ("device", "device_count", "compute_capability", "nvidia_smi", "cuda_driver_api",
               "jax", "jaxlib", "jax_cuda_plugin", "flax", "optax", "orbax_checkpoint",
               "numpy", "cusparselt", "cusparselt_wheel", "cuda_runtime_wheel", "torch",
               "torch_cuda", "torch_cusparselt", "python", "date", "git_commit", "git_dirty")
-GEMM_COLUMNS = ("sparse", "sparse+compress", "dense_xla", "torch_sparse",
-                "torch_sparse+compress")
 
 TITLE = "# GPU report (`python -m s24jax.gpu_report`)"
 
 
-def _fmt(v: Any, spec: str = ".3f") -> str:
-  if v is None:
-    return "-"
-  if isinstance(v, float):
-    return format(v, spec)
-  return str(v)
+_fmt = markdown_gemms.fmt
+
+
+def serving_versions(rows: list[dict]) -> dict[str, str]:
+  """{version: a file that served it} over every row's `libraries`."""
+  out = {}
+  for r in rows:
+    serving = (r.get("libraries") or {}).get("cusparselt_serving")
+    if isinstance(serving, dict) and serving.get("version"):
+      out.setdefault(serving["version"], serving.get("path", "?"))
+  return out
+
+
+def version_warning(rows: list[dict]) -> str | None:
+  """One sentence when a row's cuSPARSELt is not the version the repository pins (the
+  report's start row's `cusparselt_pinned`), else None."""
+  start = next((r for r in rows if r.get("section") == "report" and r.get("row") == "start"),
+               {})
+  pinned = start.get("cusparselt_pinned")
+  if not pinned or str(pinned).startswith("unknown"):
+    return None
+  others = {v: p for v, p in serving_versions(rows).items() if v != pinned}
+  if not others:
+    return None
+  ran = " and ".join(f"{v} ({p})" for v, p in sorted(others.items()))
+  return (f"This report ran on cuSPARSELt {ran}, not the version the repository pins, "
+          f"{pinned} (requirements-cusparselt.txt): its cuSPARSELt figures are not the "
+          "pinned library's.")
+
+
+def libraries_lines(rows: list[dict]) -> list[str]:
+  """The libcusparseLt of a section's processes, in one line (libraries.py's fields)."""
+  libs = [r["libraries"] for r in rows if isinstance(r.get("libraries"), dict)]
+  if not libs:
+    return []
+  serving = sorted({f"{s['version']} (`{s['path']}`)" for l in libs
+                    if isinstance(s := l.get("cusparselt_serving"), dict)})
+  torch = [l["torch"] for l in libs if isinstance(l.get("torch"), dict)]
+  order = [l.get("cusparselt_load_order") or [] for l in libs]
+  order += [t.get("load_order_after_torch") or [] for t in torch]
+  mapped = {p for l in libs for p in l.get("cusparselt_mapped") or []}
+  mapped |= {p for t in torch for p in t.get("mapped_after_torch") or []}
+  line = (f"libcusparseLt in {len({l.get('pid') for l in libs})} process(es): serving s24jax "
+          f"{', '.join(serving) or 'not named (no s24jax handler loaded)'}; mapped "
+          + (", ".join(f"`{p}`" for p in sorted(mapped)) or "none"))
+  firsts = sorted({o[0] for o in order if o})
+  if firsts:
+    line += "; loaded first (it serves every user): " + ", ".join(f"`{p}`" for p in firsts)
+  if torch:
+    line += "; torch's own cuSPARSELt " + ", ".join(sorted(
+        {str(t.get("cusparselt_version", t.get("error"))) for t in torch}))
+  return [line + ".", ""]
 
 
 def _others(rows: list[dict]) -> list[str]:
@@ -66,26 +113,6 @@ def _pytest(rows: list[dict]) -> list[str]:
   return lines
 
 
-def _gemms(rows: list[dict]) -> list[str]:
-  ok = [r for r in rows if r.get("status") == "ok" and "ms" in r]
-  if not ok:
-    return []
-  lines = ["Milliseconds per call (n calls in one jitted loop / n; torch: CUDA events), as "
-           + " / ".join(GEMM_COLUMNS) + "; max relative error of the op's y / dX / dW "
-           "against 'xla'.", "",
-           "| width | matrix (N, K) | tokens | precision | error y / dX / dW | forward ms | "
-           "dgrad ms | wgrad ms |", "|---|---|---|---|---|---|---|---|"]
-  for r in ok:
-    e = r["max_rel_error_vs_xla"]
-    cells = [" / ".join(_fmt(r["ms"][g].get(c)) for c in GEMM_COLUMNS)
-             for g in ("forward", "dgrad", "wgrad")]
-    lines.append(f"| {r['width']} | {r['matrix']} {tuple(r['shape_NK'])} | {r['tokens']} | "
-                 f"{r['precision']} | {e['y']:.1e} / {e['dX']:.1e} / {e['dW']:.1e} | "
-                 + " | ".join(cells) + " |")
-  errors = [f"- {r['row']} {k}: `{v}`" for r in ok for k, v in (r.get("errors") or {}).items()]
-  return lines + [""] + (["Cells that failed:", *errors, ""] if errors else [])
-
-
 def _steps(rows: list[dict]) -> list[str]:
   ok = [r for r in rows if r.get("status") == "ok" and "step_ms" in r]
   if not ok:
@@ -109,8 +136,8 @@ def _steps(rows: list[dict]) -> list[str]:
   return lines + [""]
 
 
-_BODY = {"environment": _environment, "gpu_tests": _pytest, "gemms": _gemms,
-         "steps": _steps, "quick_suite": _pytest}
+_BODY = {"environment": _environment, "layouts": markdown_gemms.layouts, "gpu_tests": _pytest,
+         "gemms": markdown_gemms.gemms, "steps": _steps, "quick_suite": _pytest}
 
 
 def render(rows: list[dict]) -> str:
@@ -120,7 +147,8 @@ def render(rows: list[dict]) -> str:
   report = by_section.get("report", [])
   start = next((r for r in report if r.get("row") == "start"), {})
   end = next((r for r in report if r.get("row") == "end"), None)
-  lines = [TITLE, "",
+  warning = version_warning(rows)
+  lines = [TITLE, "", *([f"**{warning}**", ""] if warning else []),
            f"Command: `{start.get('command', '?')}`; budget {start.get('budget', '?')} s.  ",
            (f"Ended after {_fmt(end.get('t'), '.0f')} s: {end.get('reason', '')}." if end
             else "Not ended: this is what the record held when the markdown was written."),
@@ -132,9 +160,12 @@ def render(rows: list[dict]) -> str:
     section_rows = by_section.get(spec.name, [])
     lines += [f"## {spec.title}", ""]
     if not section_rows:
-      lines += ["Not run (the report ended before it).", ""]
+      asked = spec.name in start.get("sections", [spec.name])
+      lines += ["Not run (the report ended before it)." if asked else
+                "Not run (not among this report's sections).", ""]
       continue
     lines += _BODY[spec.name](section_rows)
+    lines += libraries_lines(section_rows)
     others = _others(r for r in section_rows if "outcome" not in r)
     lines += others + ([""] if others else [])
   return "\n".join(lines).rstrip() + "\n"

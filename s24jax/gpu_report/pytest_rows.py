@@ -6,21 +6,40 @@ Active only when S24JAX_GPU_REPORT_JSONL names the record (rows.ENV_JSONL) and
 S24JAX_GPU_REPORT_SECTION the section; under pytest-xdist only the controller writes (it
 receives every worker's reports). A row per test: 'row' the node id, 'status' ok / failed /
 skipped, 'outcome' pytest's (passed, failed, skipped, error: a setup or teardown failure),
-'seconds', and for a failure 'error': its first 'E ' line (the assertion or exception).
+'seconds', for a failure 'error': its first 'E ' line (the assertion or exception), and for a
+test that ran, 'libraries': the libcusparseLt of the process that ran it, as it was when the
+test ended (libraries.snapshot, which loads nothing: the serving library is named only where a
+test loaded s24jax's handlers; a worker's facts reach the controller in the report's
+user_properties).
 """
 from __future__ import annotations
 
 import os
+
+import pytest
 
 from s24jax.gpu_report import rows
 
 ENV_SECTION = "S24JAX_GPU_REPORT_SECTION"
 _STATUS = {"passed": "ok", "failed": "failed", "skipped": "skipped", "error": "failed"}
 _WORKER = [False]      # an xdist worker (set in pytest_configure; its env may be inherited)
+_LIBRARIES = "s24jax_libraries"     # the user property carrying a test's libraries
 
 
 def pytest_configure(config):
   _WORKER[0] = hasattr(config, "workerinput")
+
+
+def _active() -> bool:
+  return bool(os.environ.get(rows.ENV_JSONL) and os.environ.get(ENV_SECTION))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+  if call.when == "call" and _active():
+    from s24jax.gpu_report import libraries  # pylint: disable=g-import-not-at-top  (jax)
+    item.user_properties.append((_LIBRARIES, libraries.snapshot(register=False)))
+  yield
 
 
 def _first_error(report) -> str:
@@ -40,9 +59,9 @@ def _skip_reason(report) -> str:
 
 
 def pytest_runtest_logreport(report):
-  path, section = os.environ.get(rows.ENV_JSONL), os.environ.get(ENV_SECTION)
-  if not path or not section or _WORKER[0]:
+  if not _active() or _WORKER[0]:
     return
+  path, section = os.environ[rows.ENV_JSONL], os.environ[ENV_SECTION]
   if report.when == "call":
     outcome = report.outcome
   elif report.failed:                      # setup or teardown
@@ -59,4 +78,7 @@ def pytest_runtest_logreport(report):
     row["error"] = _first_error(report)
     if report.when != "call":
       row["when"] = report.when
+  libraries = dict(report.user_properties).get(_LIBRARIES)
+  if libraries is not None:
+    row["libraries"] = libraries
   rows.append(path, row)

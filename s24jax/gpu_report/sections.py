@@ -1,17 +1,28 @@
 """The report's sections, in the order they run, with their share of the budget.
 
-Order: the cheapest facts that say the most first. The environment (seconds); the `gpu` tests
-(every GPU path's correctness: 50 s with 8 workers on an H200, 2026-11-27); the cuSPARSELt
-GEMMs (is a 2:4 GEMM faster, and than PyTorch's; ~44 s a row there); the train steps (what
-that makes of a step; ~15 s a row at 124m there, compiles of 4-21 s); the quick suite last,
-the longest (695 of its 764 tests in the 130 s it got there) and the one the suite's own run
-also gives.
+Order: the cheapest facts that say the most first. The environment (seconds; which
+libcusparseLt serves); the layout checks (is s24jax's compressed operand the library's, with
+the evidence where not: seconds a case, more for the large estimates); the `gpu` tests (every
+GPU path's correctness: 50 s with 8 workers on an H200, 2026-11-27); the cuSPARSELt GEMMs (is
+a 2:4 GEMM faster, with which compression, than dense and PyTorch's: one row per GEMM, a few
+seconds each by gemm_plan.py's estimate); the train steps (what that makes of a step; ~15 s a
+row at 124m on the H200, more at Llama 7B's width); the quick suite last, the longest (695 of
+its 764 tests in the 130 s it got there) and the one the suite's own run also gives.
 
 Time: the environment gets up to ENVIRONMENT_SECONDS; every other section its share of
 what is left of the budget among the sections not yet run (`cap`), so what one leaves unused
-goes to the later ones; the last gets the rest. At `--budget 420` (less the report's start
-and RESERVE): about 20 / 74 / 78 / 128 / 109 s. A section whose cap is below its `minimum`
-is not started (a skipped row says so).
+goes to the later ones; the last gets the rest. A section whose cap is below its `minimum`
+is not started (a skipped row says so). At `--budget 420`: 420 - RESERVE (8, cli.py) - ~2 s
+(the report's start) = 410 s; the environment takes ~7 of its 20 (H200, 2026-11-27), leaving
+~403 s, shared 0.08 / 0.14 / 0.30 / 0.28 / 0.20 (sum 1.0): layouts ~32 s, `gpu` tests ~56 s,
+GEMMs ~121 s, steps ~113 s, quick suite ~81 s (each section's unused seconds moving on to
+the later ones). What that reaches, by the sections' own estimates (never checked on a GPU):
+the layouts of 124M's weights, of the (768, 65536) MVUE estimate and of one of Llama 7B's
+weights (~1.4, ~8.5 and ~8 s a case); 15 GEMM rows, 124M's and Llama 7B's FFN in bf16 and
+124M's fc in FP8 (~6 and ~10 s a row; the width-8192 rows, ~35 s each, mostly the algorithm
+search's gemm_plan.SEARCH_CALLS GEMM calls, do not fit after them and are skipped); 124m's
+Hu et al. pair and the dense steps of the Llama slice and 124m (the Llama slice's Hu et al.
+pair needs ~250 s, ~170 s of it the layout checks of its first 'cusparselt' step: steps.py).
 """
 from __future__ import annotations
 
@@ -33,10 +44,11 @@ class Section:
 ENVIRONMENT_SECONDS = 20.0     # jax, torch and nvidia-smi: 5-10 s
 SECTIONS = (
     Section("environment", "Environment", 0.0, 5.0),
-    Section("gpu_tests", "`gpu` tests", 0.19, 20.0, pytest=True),
-    Section("gemms", "cuSPARSELt GEMMs", 0.20, 20.0),
-    Section("steps", "Train steps", 0.33, 25.0),
-    Section("quick_suite", "Quick suite on the GPU", 0.28, 30.0, pytest=True),
+    Section("layouts", "s24jax's compressed layouts against the library", 0.08, 5.0),
+    Section("gpu_tests", "`gpu` tests", 0.14, 20.0, pytest=True),
+    Section("gemms", "cuSPARSELt GEMMs", 0.30, 20.0),
+    Section("steps", "Train steps", 0.28, 25.0),
+    Section("quick_suite", "Quick suite on the GPU", 0.20, 30.0, pytest=True),
 )
 BY_NAME = {s.name: s for s in SECTIONS}
 # With --smoke (a CPU): one small file per pytest section.

@@ -9,16 +9,29 @@ also records its `program`: a digest of the optimized HLO without names and sour
 (hlo_text.canonical): rows with the same program run the same kernels, so a difference in
 their times is noise (on the H200, 2026-11-27, a 'cusparselt' step whose GEMMs were all
 measured slower, which compiles to the 'xla' program (tests/sparse_ops/test_gemm_choice.py),
-timed 3.7 % apart from it in single rounds). The
-anatomy rows set `sparsity.gemm_choice` (s24jax/sparse_ops/gemm_choice.py) to 'forward',
-'forward+dgrad', 'forward+dgrad+wgrad' (cumulative: each difference is one GEMM's cost) and
-'dense' (the backend's layout and checks, no 2:4 kernel); the plain 'cusparselt' row keeps
-the default ('measured'). Variant '1558m/2' is GPT-2 1.5B's width (1600, 25 heads) cut to 2
-of its 48 layers: the per-layer cost of the widest model on one GPU.
+timed 3.7 % apart from it in single rounds), and its process's libcusparseLt (`libraries`,
+libraries.py). The anatomy rows set `sparsity.gemm_choice` (s24jax/sparse_ops/gemm_choice.py)
+to 'forward', 'forward+dgrad', 'forward+dgrad+wgrad' (cumulative: each difference is one
+GEMM's cost) and 'dense' (the backend's layout and checks, no 2:4 kernel); the other
+'cusparselt' rows keep the default ('measured': each GEMM sparse only where measured faster,
+the measurement made at the row's first use of a shape, inside its compile time).
 
-Rows run most informative first (ROWS): the 124m Hu et al. step on both backends and its
-anatomy (on the H100, 2026-11-27, 'cusparselt' was slower: 425 ms against 294 ms), then the
-1.5B width, S-STE, and 350m.
+Variants, each cut to fit one GPU, every micro-batch 65536 tokens (as the GEMM rows'):
+'124m' GPT-2 124M (64 x 1024); '1558m/2' GPT-2 1.5B's width (1600, 25 heads) cut to 2 of its
+48 layers (64 x 1024); 'llama7b/2' the Llama '7b' variant (Llama 2 7B's width 4096 and FFN
+11008, s24jax/config.py LLAMA_SIZES) cut to 2 of its 32 layers, at 32 x 2048 tokens (its
+config's 64-sequence micro-batch halved). Each gives the per-layer cost of its width.
+
+Rows run most informative first (ROWS): the Llama slice's Hu et al. pair ('xla', then
+'cusparselt'; the issue judges the pair at >= 1.05x), then 124m's (on the H100, 2026-11-27,
+'cusparselt' was slower: 425 ms against 294 ms) and 1.5B's, the dense steps, S-STE, and the
+anatomy last. An 'xla' row followed by its 'cusparselt' pair runs only where both fit (one
+alone compares nothing). A 'cusparselt' row's first use of an operand shape checks s24jax's
+layout against the library on a probe of the operand's full size built on the host
+(kernels/cusparselt/compression.py), which the estimate counts (`first_use_seconds`: by
+layouts.py's rate, ~166 s for the Llama slice's Hu et al. operands, ~43 s for 124m's, most of
+it the MVUE estimate's (N, 65536) probes), so at `--budget 420` the Llama pair is skipped for
+it and 124m's runs. The Llama rows have never run on a GPU.
 """
 from __future__ import annotations
 
@@ -37,35 +50,79 @@ from s24jax import model as model_lib
 from s24jax import run_spec
 from s24jax import train
 from s24jax.step_info import StepInfo
+from s24jax.gpu_report import layouts
+from s24jax.gpu_report import libraries
 from s24jax.gpu_report import rows as rows_lib
 from s24jax.kernels.cusparselt import ops as cusparselt
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RECIPES = {"dense": "experiments/gpt2_dense.py", "hu2024": "experiments/gpt2_t_sr_ste_df.py",
            "s_ste": "experiments/gpt2_s_ste.py"}
-# Variant -> (config variant, extra overrides).
+LLAMA_RECIPES = {"dense": "experiments/llama_dense.py",
+                 "hu2024": "experiments/llama_t_sr_ste_df.py",
+                 "s_ste": "experiments/llama_s_ste.py"}
+# Variant -> (config variant, extra overrides); the Llama ones take LLAMA_RECIPES.
 VARIANTS = {"124m": ("124m", ()), "350m": ("350m", ()),
             "1558m/2": ("1558m", ("model.num_layers=2",)),
+            "llama7b/2": ("7b", ("model.num_layers=2", "batch_size=32", "grad_accum_steps=1")),
             "tiny": ("tiny", ("model.num_layers=1", "model.d_model=64", "model.num_heads=2",
                               "model.seq_len=64", "model.vocab_size=256", "batch_size=4"))}
+LLAMA_VARIANTS = ("llama7b/2",)
 ANATOMY = ("forward", "forward+dgrad", "forward+dgrad+wgrad")
 # (variant, recipe, backend, gemm_choice or None for the config's default), in run order.
-ROWS = (("124m", "hu2024", "xla", None), ("124m", "hu2024", "cusparselt", None),
-        *(("124m", "hu2024", "cusparselt", c) for c in ANATOMY),
-        ("124m", "dense", "xla", None),
-        ("1558m/2", "hu2024", "xla", None), ("1558m/2", "hu2024", "cusparselt", ANATOMY[-1]),
+ROWS = (("llama7b/2", "hu2024", "xla", None), ("llama7b/2", "hu2024", "cusparselt", None),
+        ("124m", "hu2024", "xla", None), ("124m", "hu2024", "cusparselt", None),
+        ("1558m/2", "hu2024", "xla", None), ("1558m/2", "hu2024", "cusparselt", None),
+        ("llama7b/2", "dense", "xla", None), ("124m", "dense", "xla", None),
         ("1558m/2", "dense", "xla", None),
-        ("124m", "s_ste", "xla", None), ("124m", "s_ste", "cusparselt", None),
-        ("124m", "hu2024", "cusparselt", "dense"),
-        *(("1558m/2", "hu2024", "cusparselt", c) for c in ANATOMY[:-1]),
-        ("350m", "dense", "xla", None), ("350m", "hu2024", "xla", None),
-        ("350m", "hu2024", "cusparselt", None), ("350m", "s_ste", "xla", None),
-        ("350m", "s_ste", "cusparselt", None))
+        *((v, "s_ste", b, None) for v in ("llama7b/2", "124m", "1558m/2")
+          for b in ("xla", "cusparselt")),
+        *(("124m", "hu2024", "cusparselt", c) for c in (*ANATOMY, "dense")),
+        *(("llama7b/2", "hu2024", "cusparselt", c) for c in ANATOMY),
+        *(("1558m/2", "hu2024", "cusparselt", c) for c in ANATOMY))
 SMOKE_ROWS = (("tiny", "hu2024", "xla", None), ("tiny", "hu2024", "cusparselt", "forward"))
 ROUNDS = 3   # timed rounds of `steps` steps per row (module docstring)
 # Seconds a row takes before its first measurement (compile and warm-up), from the H100 run of
-# 2026-11-27 (124m: 14-23 s a row with 10 timed steps); the section then uses what it saw.
-ESTIMATE = {"124m": 25.0, "350m": 45.0, "1558m/2": 30.0, "tiny": 20.0}
+# 2026-11-27 (124m: 14-23 s a row with 10 timed steps; 'llama7b/2': a guess, ~4x 124m's
+# FLOPs a step); the section then uses what it saw.
+ESTIMATE = {"124m": 25.0, "350m": 45.0, "1558m/2": 30.0, "llama7b/2": 40.0, "tiny": 20.0}
+# The types of each recipe's cuSPARSELt operands (layouts.TYPES): a 'cusparselt' row's first
+# use of an operand shape in this process checks s24jax's layout against the library's bytes
+# on a probe of the operand's full size (kernels/cusparselt/compression.py): two compiles and
+# a few passes over the operand on the device per shape, by layouts.py's estimate, added to
+# the row's (`first_use_seconds`).
+RECIPE_TYPES = {"hu2024": ("bf16",), "s_ste": ("e4m3", "e5m2"), "dense": ()}
+
+
+def first_use_seconds(variant: str, recipe: str, backend: str, checked: set) -> float:
+  """The layout checks a row would run first in this process (RECIPE_TYPES), in seconds by
+  layouts.py's estimate; `checked`: the (type, m, k) already checked here."""
+  if backend != "cusparselt" or variant not in dict(layouts.MODELS):
+    return 0.0
+  cases = layouts.model_cases(variant, RECIPE_TYPES.get(recipe, ()))
+  return sum(layouts.estimate_seconds(m, k, False) for d, m, k in cases
+             if (d, m, k) not in checked)
+
+
+def _need(row, rows_after, seen: dict, checked: set, smoke: bool) -> tuple[float, str]:
+  """(seconds, why) a row needs: its variant's time, its first layout checks, and for an
+  'xla' row followed by its 'cusparselt' pair, the pair's too (one alone compares nothing)."""
+  variant, recipe, backend, choice = row
+  first = 0.0 if smoke else first_use_seconds(variant, recipe, backend, checked)
+  need, why = seen[variant] + first, ""
+  if first:
+    why = f", {first:.0f} s of it its first checks of s24jax's layouts (full-size probes)"
+  if backend == "xla" and rows_after[:1] == [(variant, recipe, "cusparselt", choice)]:
+    pair, pair_why = _need(rows_after[0], [], seen, checked, smoke)
+    need, why = need + pair, f", with its 'cusparselt' pair ({pair:.0f} s{pair_why})"
+  return need, why
+
+
+def recipe_file(variant: str, recipe: str, recipes=None) -> str:
+  """The config file of `recipe` for `variant` (`recipes`: a test's own table; a recipe not
+  in the table is taken as a path)."""
+  table = recipes or (LLAMA_RECIPES if variant in LLAMA_VARIANTS else RECIPES)
+  return os.path.join(REPO, table[recipe]) if recipe in table else recipe
 
 
 def step_seconds(path: str, variant: str, backend: str, steps: int, overrides=()) -> dict:
@@ -93,7 +150,8 @@ def step_seconds(path: str, variant: str, backend: str, steps: int, overrides=()
   memory = compiled.memory_analysis()
   total = (memory.argument_size_in_bytes + memory.output_size_in_bytes
            - memory.alias_size_in_bytes + memory.temp_size_in_bytes)
-  program = hashlib.sha256(hlo_text.canonical(compiled.as_text()).encode()).hexdigest()[:12]
+  program = hashlib.sha256(hlo_text.canonical(hlo_text.module_text(compiled)).encode()
+                           ).hexdigest()[:12]
   for _ in range(2):
     state, metrics = compiled(state, batch, info)
   jax.block_until_ready(metrics["loss"])
@@ -118,23 +176,37 @@ def run(section: rows_lib.Section, deadline: float, smoke: bool, *, rows=None,
   """Every row (ROWS; SMOKE_ROWS with --smoke) recorded as it ends; a row that cannot
   finish before `deadline` is recorded as skipped, a failing one with its error."""
   rows = rows if rows is not None else (SMOKE_ROWS if smoke else ROWS)
-  recipes = recipes or RECIPES
   steps = steps or (2 if smoke else 5)
-  seen = dict(ESTIMATE)
-  for variant, recipe, backend, choice in rows:
+  seen, checked, skipped = dict(ESTIMATE), set(), set()
+  libraries.snapshot(register=True)        # s24jax's libcusparseLt loaded before anything
+  rows = list(rows)
+  for i, (variant, recipe, backend, choice) in enumerate(rows):
     name = f"{variant} {recipe} {backend}" + (f" gemm_choice={choice}" if choice else "")
     fields = dict(variant=variant, recipe=recipe, backend=backend, gemm_choice=choice)
     left = deadline - time.time()
-    if seen[variant] > left:
-      section.skipped(name, f"budget: {left:.0f} s left, the row needs about "
-                      f"{seen[variant]:.0f} s", **fields)
+    need, why = _need(rows[i], rows[i + 1:], seen, checked, smoke)
+    if (variant, recipe, "xla", choice) in skipped and backend == "cusparselt":
+      section.skipped(name, "budget: its 'xla' pair did not fit", **fields)
       continue
+    if need > left:
+      section.skipped(name, f"budget: {left:.0f} s left, the row needs about {need:.0f} s"
+                      + why, **fields)
+      skipped.add(rows[i])
+      continue
+    first_use = 0.0 if smoke else first_use_seconds(variant, recipe, backend, checked)
     config_variant, overrides = VARIANTS[variant]
     overrides = (*overrides, *([f"sparsity.gemm_choice={choice}"] if choice else []))
-    path = os.path.join(REPO, recipes[recipe]) if recipe in recipes else recipe
+    path = recipe_file(variant, recipe, recipes)
     start = time.time()
+
+    def measure(path=path, config_variant=config_variant, backend=backend,
+                overrides=overrides):
+      out = step_seconds(path, config_variant, backend, steps, overrides)
+      return {**out, "libraries": libraries.snapshot(register=True)}
+
     with cusparselt.standin() if smoke else contextlib.nullcontext():
-      row = section.guarded(name, lambda: step_seconds(path, config_variant, backend, steps,
-                                                       overrides), **fields)
+      row = section.guarded(name, measure, **fields)
+    if first_use:
+      checked.update(layouts.model_cases(variant, RECIPE_TYPES.get(recipe, ())))
     if row["status"] == "ok":
-      seen[variant] = 1.1 * (time.time() - start)
+      seen[variant] = 1.1 * (time.time() - start - first_use)

@@ -25,7 +25,7 @@ def _fresh():
 
 def test_probe_operand_has_two_nonzeros_per_group_in_every_type():
   for dtype in (jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn, jnp.float8_e5m2):
-    a = compression.probe_operand(64, 128, dtype).astype(np.float32)
+    a = np.asarray(compression.probe_operand(64, 128, dtype), np.float32)
     assert ((a != 0).reshape(64, 32, 4).sum(-1) == 2).all(), dtype
     assert (np.abs(a[a != 0]) >= 1).all() and (np.abs(a) < 2.01).all()
 
