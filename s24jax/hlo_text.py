@@ -1,12 +1,15 @@
 """Optimized HLO text, parsed: the computations and their instructions, the Python stack
 frames XLA keeps per instruction, and the shapes, sizes and attributes s24jax/step_census.py
-reads from them. Pure text processing (no JAX)."""
+reads from them; and the program of a module without its names (`canonical`). Pure text
+processing (no JAX), but `module_text`, which prints a compiled executable."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
 import re
-from typing import Iterable
+from typing import Any, Iterable
 
 FP8_TYPES = ("f8e4m3fn", "f8e5m2", "f8e4m3", "f8e5m2fnuz", "f8e4m3fnuz", "f8e4m3b11fnuz")
 BYTES_PER_ELEMENT = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
@@ -203,19 +206,87 @@ def is_fp8(type_text: str) -> bool:
   return any(t in FP8_TYPES for t, _ in arrays(type_text))
 
 
+# A constant literal longer than this (characters) is kept as a digest of its text.
+LITERAL_DIGEST_OVER = 64
+ELIDED = "{...}"   # how XLA prints a large literal unless asked for its values
+_METADATA = re.compile(r', metadata=\{(?:[^}"]|"(?:[^"\\]|\\.)*")*\}')
+
+
+def module_text(compiled: Any) -> str:
+  """The optimized HLO text of a compiled jax function (`jax.jit(f).lower(...).compile()`,
+  deviceless ones included) as `compiled.as_text()` prints it, but with every constant's
+  value: as_text prints a large literal as {...}, so two programs that differ only there
+  print alike. (jax's print options are private: jax's own `Lowered.as_text` uses them.)"""
+  from jax._src.lib import hlo   # pylint: disable=g-import-not-at-top
+  options = hlo.HloPrintOptions()
+  options.print_large_constants = True
+  return "\n\n".join(m.to_string(options)
+                      for m in compiled.runtime_executable().hlo_modules())
+
+
+def _constants(line: str) -> str:
+  """The line with each long constant literal replaced by its digest (LITERAL_DIGEST_OVER);
+  raises ValueError at a literal printed without its values (ELIDED)."""
+  out, at = [], 0
+  for m in re.finditer(r"\bconstant\(", line):
+    if m.start() < at:
+      continue
+    end = _matching(line, m.end() - 1)
+    literal = line[m.end():end - 1]
+    if literal == ELIDED:
+      raise ValueError("HLO text with a constant printed as {...}: its value is not in the "
+                       "text, so two programs that differ there would compare equal; print "
+                       "the module with hlo_text.module_text(compiled)")
+    if len(literal) > LITERAL_DIGEST_OVER:
+      literal = "sha256:" + hashlib.sha256(literal.encode()).hexdigest()[:16]
+    out.append(line[at:m.end()] + literal + ")")
+    at = end
+  return "".join(out) + line[at:]
+
+
+def _backend_config(line: str) -> str:
+  """The line with a JSON backend config's keys sorted: XLA's two printers (as_text's and
+  module_text's) order them differently."""
+  m = re.search(r"backend_config=\{", line)
+  if not m:
+    return line
+  end = _matching(line, m.end() - 1)
+  try:
+    config = json.loads(line[m.end() - 1:end])
+  except ValueError:                              # an FFI call's `{k = 768 : i64, ...}`
+    return line
+  return (line[:m.end() - 1] + json.dumps(config, sort_keys=True, separators=(",", ":")) +
+          line[end:])
+
+
 def canonical(text: str) -> str:
   """The program of an optimized HLO module's text without what names and source positions
-  change: metadata, stack frames and their tables, instruction and parameter numbering. Two
+  change: the module's name, metadata, stack frames and their tables, instruction,
+  parameter and computation names and numbering, the order of a JSON backend config's keys.
+  What runs stays, constants included (a long literal as a digest of its values). Two
   compiles of the same program give the same text, so equal texts mean the same kernels
   (what `python -m s24jax.gpu_report` checks per train step, and tests/sparse_ops/
-  test_gemm_choice.py of a step whose GEMMs all run dense)."""
-  text = re.sub(r", metadata=\{[^}]*\}", "", text)
+  test_gemm_choice.py of a step whose GEMMs all run dense).
+
+  Give it `module_text(compiled)`: `compiled.as_text()` prints a large constant as {...},
+  without the values that could tell two programs apart, and canonical raises ValueError at
+  one rather than call them equal."""
+  text = _METADATA.sub("", text)
   text = re.sub(r",? ?stack_frame_id=\d+", "", text)
-  lines = []
+  lines, table = [], False
   for line in text.splitlines():
-    if line.startswith(STACK_TABLES) or re.match(r"^\s*\d+ ", line):   # a table and its rows
+    if line in STACK_TABLES:                      # a table, then its rows "1 ..."
+      table = True
       continue
-    lines.append(line)
+    if table and re.match(r"^\d+ ", line):
+      continue
+    table = False
+    if line.startswith("HloModule "):
+      line = re.sub(r"^HloModule [^,\s]+", "HloModule m", line)
+    elif _HEADER.match(line):                     # its parameters' names, by position
+      count = iter(range(line.count(":")))
+      line = re.sub(r"([(,] ?)[\w.\-]+: ", lambda m: f"{m.group(1)}p{next(count)}: ", line)
+    lines.append(_backend_config(_constants(line)))
   text = re.sub(r"\b(param_\d+)\.\d+", r"\1", "\n".join(lines))
   names: dict[str, str] = {}
   return NAME.sub(lambda m: names.setdefault(m.group(1), f"%v{len(names)}"), text)

@@ -1,5 +1,7 @@
-"""The measured run the step model is calibrated on, and saved censuses of the code that ran
-there (the calibration file, `CALIBRATION`)."""
+"""The measured GPU runs the step model is calibrated on (RUNS: each run's step times and
+cuSPARSELt GEMM rows, read from its raw files in docs/gpu_runs/), and saved censuses of the
+code that ran there (the calibration file, `CALIBRATION`: one census per measured row, named
+'<run folder>/<row>')."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,11 +15,40 @@ from s24jax import roofline
 from s24jax import step_census
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-RUN = REPO / "docs" / "gpu_runs" / "h100-2026-11-27"
-RUN_DEVICE = "NVIDIA H100 80GB HBM3"
-RUN_DATE = "2026-11-27"
+RUNS_DIR = REPO / "docs" / "gpu_runs"
 CALIBRATION = REPO / "docs" / "step_model_calibration.json"
 CENSUS_FORMAT = "s24jax.step_census/1"
+# A run's files the model reads: the GPU report's rows (steps, GEMMs) as JSON lines, and the
+# per-GEMM times measured at first use (sparse_ops/gemm_times.py's format).
+ROW_FILES, GEMM_TIME_FILES = "*.jsonl", "gemm_times*.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """A GPU run (its folder in RUNS_DIR) and its device's peaks: the fit's upper bounds
+  (roofline.bounds)."""
+  folder: str
+  device: str
+  peak_flops_per_s: float    # dense bf16
+  peak_bytes_per_s: float    # memory
+
+  @property
+  def path(self) -> pathlib.Path:
+    return RUNS_DIR / self.folder
+
+
+# The H100 SXM: 989 TFLOP/s bf16, 3.35 TB/s (HBM3); the H200: the same tensor cores, 4.8 TB/s
+# (HBM3e). One run per device so far; runs of one device are fitted together.
+RUNS = (Run("h100-2026-11-27", "NVIDIA H100 80GB HBM3", 989e12, 3.35e12),
+        Run("h200-2026-11-27", "NVIDIA H200", 989e12, 4.8e12))
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+  """A measured step (its census and the mean of its timings) and the run that timed it."""
+  run: Run
+  row: roofline.Row          # name: the run's row name
+  times_ms: tuple[float, ...]
 
 
 def kernel_record(k: step_census.Kernel) -> dict[str, Any]:
@@ -81,42 +112,88 @@ def _jsonl(path: pathlib.Path) -> list[dict[str, Any]]:
   return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def measured_steps(run: pathlib.Path = RUN) -> dict[tuple[str, str], list[float]]:
-  """(recipe, backend) -> the 124M step times (ms) of the run's step rows that finished."""
-  out: dict[tuple[str, str], list[float]] = {}
-  for path in sorted(run.glob("step_times_run*.jsonl")):
-    for row in _jsonl(path):
-      if row.get("variant") == "124m" and "step_ms" in row:
-        out.setdefault((row["recipe"], row["backend"]), []).append(float(row["step_ms"]))
+def _ok(record: dict[str, Any]) -> bool:
+  return record.get("status", "ok") == "ok"
+
+
+def row_name(record: dict[str, Any]) -> str:
+  """A step row's name: the GPU report's `row`, else (the H100 run's files) its fields."""
+  choice = record.get("gemm_choice")
+  return record.get("row") or (f"{record['variant']} {record['recipe']} {record['backend']}" +
+                               (f" gemm_choice={choice}" if choice else ""))
+
+
+def measured_steps(run: pathlib.Path) -> dict[str, list[float]]:
+  """Row name -> the step times (ms) of every finished step row in the run's *.jsonl files
+  (the GPU report's rows: `step_ms`), in the order the rows first appear."""
+  out: dict[str, list[float]] = {}
+  for path in sorted(run.glob(ROW_FILES)):
+    for record in _jsonl(path):
+      if "step_ms" in record and _ok(record):
+        out.setdefault(row_name(record), []).append(float(record["step_ms"]))
   return out
 
 
-def sparse_table(run: pathlib.Path = RUN) -> roofline.SparseTable:
-  """The run's cuSPARSELt GEMM rows (gemms_run2.jsonl) as the library's M, N, K per GEMM
+def sparse_table(run: pathlib.Path) -> roofline.SparseTable:
+  """The run's measured cuSPARSELt GEMMs as the library's M, N, K per GEMM
   (s24jax/sparse_ops/cusparselt.py: forward (N, T, K), dgrad (K, T, N), wgrad (N, K, T) for
-  W~ (N, K) at T tokens). Its `dense_xla` is the bf16 product for the FP8 rows too (c9f697b's
-  gpu_report timed `x @ W~^T` in bf16 for both)."""
+  W~ (N, K) at T tokens), from the GPU report's GEMM rows (*.jsonl: `shape_NK`, `ms`) and
+  the per-GEMM times measured at first use (gemm_times*.json, sparse_ops/gemm_times.py).
+  GEMM rows without `calls_per_loop` are single calls timed on the host (the H100 run's,
+  c9f697b), whose `dense_xla` is the bf16 product for the FP8 rows too; the others, and the
+  first-use times, are a jitted loop's mean."""
   gemms = []
-  for row in _jsonl(run / "gemms_run2.jsonl"):
-    (n, k), t = row["shape_NK"], row["tokens"]
-    shapes = {"forward": (n, t, k), "dgrad": (k, t, n), "wgrad": (n, k, t)}
-    for kind in roofline.GEMM_KINDS:
-      ms = row["ms"][kind]
-      gemms.append(roofline.SparseGemm(kind, row["precision"], *shapes[kind], ms["sparse"],
-                                       ms["sparse+compress"] - ms["sparse"], ms["dense_xla"]))
+  for path in sorted(run.glob(ROW_FILES)):
+    for row in _jsonl(path):
+      if "shape_NK" not in row or "ms" not in row or not _ok(row):
+        continue
+      (n, k), t = row["shape_NK"], row["tokens"]
+      shapes = {"forward": (n, t, k), "dgrad": (k, t, n), "wgrad": (n, k, t)}
+      for kind in roofline.GEMM_KINDS:
+        ms = row["ms"][kind]
+        gemms.append(roofline.SparseGemm(
+            kind, row["precision"], *shapes[kind], ms["sparse"],
+            ms["sparse+compress"] - ms["sparse"], ms["dense_xla"],
+            host_timed="calls_per_loop" not in row))
+  for path in sorted(run.glob(GEMM_TIME_FILES)):
+    for r in json.loads(path.read_text())["rows"]:
+      precision = "bf16" if r["a_type"] == "bf16" else "fp8"
+      gemms.append(roofline.SparseGemm(r["gemm"], precision, r["m"], r["n"], r["k"],
+                                       r["sparse_ms"], r["compress_ms"], r["dense_ms"],
+                                       dense_precision=precision, host_timed=False))
   return roofline.SparseTable(tuple(gemms))
 
 
-def calibration_rows(calibration: dict[str, dict[str, Any]],
-                     measured: dict[tuple[str, str], list[float]]) -> list[roofline.Row]:
-  rows = []
-  order = {"dense": 0, "hu2024": 1, "s_ste": 2, "xla": 0, "cusparselt": 1}
-  for (recipe, backend), times in sorted(measured.items(),
-                                         key=lambda kv: (order.get(kv[0][0], 9), kv[0][0],
-                                                         order.get(kv[0][1], 9), kv[0][1])):
-    name = f"124m {recipe} {backend}"
-    if name not in calibration:
-      raise errors.UserError(f"{CALIBRATION.name} has no census of the measured row {name!r}")
-    kernels = tuple(kernel_from_record(r) for r in calibration[name]["kernels"])
-    rows.append(roofline.Row(name, kernels, sum(times) / len(times) / 1e3))
+def run_files(run: pathlib.Path) -> list[pathlib.Path]:
+  """Every file of the run that measured_steps and sparse_table read."""
+  return sorted([*run.glob(ROW_FILES), *run.glob(GEMM_TIME_FILES)])
+
+
+def _order(name: str) -> tuple:
+  """Rows of a variant together: dense, Hu et al., S-STE; 'xla' before 'cusparselt'."""
+  rank = {"dense": 0, "hu2024": 1, "s_ste": 2, "xla": 0, "cusparselt": 1}
+  variant, recipe, backend, *rest = name.split() + ["", ""]
+  return (variant, rank.get(recipe, 9), recipe, rank.get(backend, 9), backend, *rest)
+
+
+def calibration_rows(calibration: dict[str, dict[str, Any]], source: str = CALIBRATION.name,
+                     runs=RUNS) -> list[Measured]:
+  """Every measured step of the runs with its census (calibration key '<run>/<row>'); a
+  measured row without a census, or a census of no measured row, is an error."""
+  rows, keys = [], set()
+  for run in runs:
+    measured = measured_steps(run.path)
+    for name in sorted(measured, key=_order):
+      key = f"{run.folder}/{name}"
+      keys.add(key)
+      if key not in calibration:
+        raise errors.UserError(f"{source} has no census of the measured row {key!r}")
+      kernels = tuple(kernel_from_record(r) for r in calibration[key]["kernels"])
+      times = tuple(measured[name])
+      rows.append(Measured(run, roofline.Row(name, kernels, sum(times) / len(times) / 1e3),
+                           times))
+  extra = sorted(set(calibration) - keys)
+  if extra:
+    raise errors.UserError(f"{source}: censuses of no measured row: {', '.join(extra)} "
+                           f"(names are '<run>/<row>', runs {', '.join(r.folder for r in runs)})")
   return rows

@@ -2,53 +2,27 @@
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
+import pathlib
+import shlex
 import subprocess
 import sys
 from typing import Any
 
 from s24jax import destinations
 from s24jax import errors
-from s24jax import roofline
 from s24jax import step_census
 from s24jax.kernels import aot
 from s24jax.step_model import build
 from s24jax.step_model import calibration as cal
+from s24jax.step_model import predict
 from s24jax.step_model import tables
-
-RECIPES = {"gpt2": {"dense": "experiments/gpt2_dense.py",
-                    "hu2024": "experiments/gpt2_t_sr_ste_df.py",
-                    "s_ste": "experiments/gpt2_s_ste.py"},
-           "llama": {"dense": "experiments/llama_dense.py",
-                     "hu2024": "experiments/llama_t_sr_ste_df.py",
-                     "s_ste": "experiments/llama_s_ste.py"}}
-# (recipe, sparsity.backend) of every predicted row: dense, and each sparse recipe on 'xla'
-# and on 'cusparselt' with every GEMM on its 2:4 kernel (build.step_config).
-ARMS = (("dense", "xla"), ("hu2024", "xla"), ("hu2024", "cusparselt"), ("s_ste", "xla"),
-        ("s_ste", "cusparselt"))
-# (name, family, config variant, overrides, micro-batch; None: the config's, 64 sequences).
-# The first three are the GPU report's step rows (s24jax/gpu_report/steps.py: one device,
-# its `variant` names them); the others are one device's share of the paper-scale runs on 8
-# GPUs: 8 sequences per device and micro-batch, every layer, on one device (no collectives,
-# the optimizer on the whole state: docs/scaling.md says what that leaves out).
-PREDICTIONS = (
-    ("124m", "gpt2", "124m", (), None),
-    ("350m", "gpt2", "350m", (), None),
-    ("1558m/2", "gpt2", "1558m", ("model.num_layers=2",), None),
-    ("774m", "gpt2", "774m", (), 8),
-    ("1558m", "gpt2", "1558m", (), 8),
-    ("llama 1b", "llama", "1b", (), 8),
-    ("llama 7b", "llama", "7b", (), 8),
-)
-GPU_REPORT_ROWS = ("124m", "350m", "1558m/2")
+from s24jax.step_model import validation
 
 
-def calibrate():
-  """(constants, cuSPARSELt table, calibration rows) fitted to the measured run."""
-  table = cal.sparse_table()
-  rows = cal.calibration_rows(cal.load_calibration(), cal.measured_steps())
-  return roofline.fit(rows, table), table, rows
+def calibrate(path=cal.CALIBRATION) -> dict[str, validation.DeviceFit]:
+  """device -> the model fitted to its measured rows (validation.fit_all)."""
+  return validation.fit_all(cal.load_calibration(path), pathlib.Path(path).name)
 
 
 def _git_revision() -> str:
@@ -60,12 +34,6 @@ def _git_revision() -> str:
     return "unknown"
 
 
-def _compile_census(spec: str, backend: str, overrides, micro, gpu: str, cache):
-  config = build.step_config(spec, backend, overrides, micro)
-  hlo, memory = build.compile_step(config, gpu, cache)
-  return config, step_census.census(hlo), memory
-
-
 # ---------------------------------------------------------------------------------------------
 # census
 
@@ -75,16 +43,18 @@ def census(args) -> int:
     kernels, memory, config = step_census.census(build.read_hlo(args.hlo)), None, None
   else:
     _start()
-    config, kernels, memory = _compile_census(args.config, args.backend, args.set, args.micro,
-                                              args.gpu, args.cache)
-  c = table = None
-  if cal.CALIBRATION.exists():
-    c, table, _ = calibrate()
+    config, kernels, memory = build.compile_census(args.config, args.backend, args.set,
+                                                   args.micro, args.gpu, args.cache)
+  fits = calibrate() if cal.CALIBRATION.exists() else {}
+  first = next(iter(fits.values()), None)   # the cells' model ms: the first device's
+  c, table = (first.constants, first.table) if first else (None, None)
   name = args.name or (args.config or args.hlo)
   print(tables.census_markdown({name: kernels}, c, table))
-  if c is not None:
-    print(f"(launches / TFLOP / GB / model ms per step; {c.describe()}, fitted to the "
-          f"{cal.RUN_DATE} H100 run: a prediction)")
+  if first is not None:
+    print(f"(launches / TFLOP / GB / model ms on the {first.device} per step; "
+          f"{c.describe()}: a prediction)")
+    print("model step ms: " + ", ".join(f"{d} {tables.model_ms(f, kernels)}"
+                                        for d, f in fits.items()))
   else:
     print("(launches / TFLOP / GB per step)")
   if memory:
@@ -107,66 +77,55 @@ def census(args) -> int:
 
 
 def report(args) -> int:
-  c, table, rows = calibrate()
-  measured = [{"row": r.name, "measured_ms": 1e3 * r.seconds,
-               "model_ms": 1e3 * roofline.step_seconds(r.kernels, c, table)} for r in rows]
-  for m in measured:
-    m["error"] = m["model_ms"] / m["measured_ms"] - 1
-  print(f"## Calibration ({cal.RUN_DEVICE}, {cal.RUN_DATE}): {c.describe()}\n")
-  print("| measured row | measured ms | model ms | error |\n|---|---|---|---|")
-  for m in measured:
-    print(f"| {m['row']} | {m['measured_ms']:.1f} | {m['model_ms']:.1f} | "
-          f"{100 * m['error']:+.1f} % |")
-  print("\n## The census of the measured steps (launches / TFLOP / GB / model ms)\n")
-  print(tables.census_markdown({r.name.removeprefix("124m "): r.kernels for r in rows},
-                               c, table))
-  wanted = [p for p in PREDICTIONS
-            if args.rows is None or p[0] in args.rows.split(",")]
-  predictions = []
-  if wanted:
-    _start()
-  for name, family, variant, overrides, micro in wanted:
-    for recipe, backend in ARMS:
-      spec = f"{cal.REPO / RECIPES[family][recipe]}:{variant}"
-      config, kernels, memory = _compile_census(spec, backend, overrides, micro, "h100",
-                                                args.cache)
-      predictions.append(_prediction(name, recipe, backend, config, kernels, memory, c,
-                                     table))
-      p = predictions[-1]
-      print(f"{name} {recipe} {backend}: {p['step_ms']:.1f} ms "
-            f"({p['tokens_per_sec'] / 1e3:.0f}k tokens/s)", flush=True)
-  if predictions:
-    print("\n" + tables.predictions_markdown(predictions))
-  out = {"format": "s24jax.step_model_predictions/1",
-         "what": ("PREDICTIONS of the s24jax step-time model (s24jax/roofline.py), not "
-                  "measurements: train-step milliseconds on one " + cal.RUN_DEVICE + ", from "
-                  "deviceless compiles (jax " + _jax_version() + ") and constants fitted to "
-                  "the step times of the " + cal.RUN_DATE + " H100 run"),
-         "date": datetime.date.today().isoformat(), "revision": _git_revision(),
-         "device": cal.RUN_DEVICE, "command": "python -m s24jax.step_model " +
-         " ".join(sys.argv[1:] if args.argv is None else args.argv),
-         "constants": {"flops_per_s": c.flops_per_s, "bytes_per_s": c.bytes_per_s,
-                       "launch_s": c.launch_s, "fp8_speedup": roofline.FP8_SPEEDUP},
-         "calibration": measured, "rows": predictions}
+  fits = calibrate(args.calibration)
+  for fit in fits.values():
+    print(tables.validation_markdown(fit) + "\n")
+    print(f"### The censuses of the measured steps on the {fit.device} "
+          "(launches / TFLOP / GB / model ms)\n")
+    print(tables.census_markdown({m.row.name: m.row.kernels for m in fit.rows},
+                                 fit.constants, fit.table) + "\n")
+  rows = _predictions(args, fits, predict.wanted(args.rows))
   if args.json:
-    destinations.write_atomic(args.json, json.dumps(out, indent=1) + "\n")
-    print(f"wrote {args.json}")
+    _write(args.json, fits, rows, args)
   return errors.EXIT_OK
 
 
-def _prediction(name, recipe, backend, config, kernels, memory, c, table) -> dict[str, Any]:
-  seconds = roofline.step_seconds(kernels, c, table)
-  tokens = int(config.batch_size) * int(config.model.seq_len)
-  by_category = roofline.by_category(kernels, c, table)
-  return {"name": name, "variant": name if name in GPU_REPORT_ROWS else None,
-          "recipe": recipe, "backend": backend,
-          "gemm_choice": config.sparsity.get("gemm_choice") if backend == "cusparselt" else None,
-          "micro_batch": int(config.batch_size), "seq_len": int(config.model.seq_len),
-          "num_layers": int(config.model.num_layers), "d_model": int(config.model.d_model),
-          "step_ms": 1e3 * seconds, "tokens_per_sec": tokens / seconds,
-          "launches": sum(k.count for k in kernels if not k.branch),
-          "ms_by_category": {k: 1e3 * v for k, v in by_category.items() if v},
-          "compiled_gib": memory["total_bytes"] / 2**30}
+# ---------------------------------------------------------------------------------------------
+# predict (and report --json)
+
+
+def predict_command(args) -> int:
+  fits = calibrate(args.calibration)
+  if args.config:
+    chosen = [(args.config, args.config, args.backend, tuple(args.set), args.micro)]
+  else:
+    chosen = predict.wanted(args.rows)
+  _write(args.out, fits, _predictions(args, fits, chosen), args)
+  return errors.EXIT_OK
+
+
+def _predictions(args, fits, chosen) -> list[dict[str, Any]]:
+  rows = []
+  if chosen:
+    _start()
+  for name, spec, backend, overrides, micro in chosen:
+    rows += predict.predict(name, spec, backend, overrides, micro, fits, args.cache or None)
+    print(f"{name} {rows[-1]['recipe']} {backend}: " + ", ".join(
+        f"{r['device']} {tables.ms(r['step_ms'])} ms" for r in rows[-len(fits):]), flush=True)
+  for device in fits if rows else ():
+    print(f"\n### Predicted on the {device} (not measured)\n")
+    print(tables.predictions_markdown([r for r in rows if r["device"] == device]))
+  return rows
+
+
+def _write(path: str, fits, rows, args) -> None:
+  argv = list(sys.argv[1:] if args.argv is None else args.argv)
+  if "--cache" in argv:   # where compiles are cached changes nothing in the file
+    del argv[argv.index("--cache"):argv.index("--cache") + 2]
+  out = predict.document(fits, rows, args.calibration,
+                         "python -m s24jax.step_model " + shlex.join(argv))
+  destinations.write_atomic(path, json.dumps(out, indent=1) + "\n")
+  print(f"wrote {path}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,12 +159,29 @@ def _parser() -> argparse.ArgumentParser:
   c.add_argument("--save", default="", help="add the census to this census file")
   c.add_argument("--name", default="", help="its name there")
   c.add_argument("--cache", default="", help="a folder caching compiled HLO")
-  r = sub.add_parser("report", help="calibrate on the measured run, predict, write JSON")
-  r.add_argument("--json", default="", help="write the predictions here")
-  r.add_argument("--rows", default=None,
-                 help="comma-separated PREDICTIONS names ('' for the calibration only)")
-  r.add_argument("--cache", default="", help="a folder caching compiled HLO")
+  r = sub.add_parser("report", help="calibrate on the measured runs (per device, errors in-"
+                      "sample and leave-one-out), predict, write JSON")
+  r.add_argument("--json", default="", help="write the predictions file here (as predict)")
+  _model_options(r)
+  f = sub.add_parser("predict", help="write the predictions file from the current code and "
+                     "the calibration")
+  f.add_argument("--out", required=True, help="the predictions file to write")
+  _model_options(f)
+  f.add_argument("--config", default="", help="one config instead of --rows: "
+                 "experiments/X.py[:variant]")
+  f.add_argument("--backend", default="xla", help="with --config: sparsity.backend")
+  f.add_argument("--micro", type=int, default=None, help="with --config: its micro-batch")
+  f.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
   return p
+
+
+def _model_options(p: argparse.ArgumentParser) -> None:
+  """report's and predict's: the rows predicted, the calibration, the compile cache."""
+  p.add_argument("--rows", default=None,
+                 help="comma-separated PREDICTIONS names ('' for the calibration only)")
+  p.add_argument("--calibration", default=str(cal.CALIBRATION),
+                 help="the census file the model is fitted to")
+  p.add_argument("--cache", default="", help="a folder caching compiled HLO")
 
 
 def _check(args) -> None:
@@ -221,16 +197,38 @@ def _check(args) -> None:
     if args.config:   # the config loads without a compiler: a bad one fails here, one line
       build.step_config(args.config, args.backend, args.set, args.micro)
   else:
-    names = [p[0] for p in PREDICTIONS]
+    names = [p[0] for p in predict.PREDICTIONS]
     bad = [n for n in (args.rows.split(",") if args.rows else []) if n not in names]
     if bad:
       raise errors.UserError(f"--rows {','.join(bad)}: not among {', '.join(names)}")
-    if not cal.CALIBRATION.exists():
-      raise errors.UserError(f"no calibration file {cal.CALIBRATION}")
-  if getattr(args, "json", "") or getattr(args, "save", ""):
-    path = getattr(args, "json", "") or args.save
-    destinations.check_file(path, what="a step-model file", flag="--json/--save",
-                            replaces=destinations.json_with_keys("format", "rows"))
+    if not pathlib.Path(args.calibration).is_file():
+      raise errors.UserError(f"--calibration {args.calibration}: no such file")
+    if getattr(args, "micro", None) is not None and args.micro < 1:
+      raise errors.UserError(f"--micro {args.micro}: must be >= 1")
+    if getattr(args, "config", ""):
+      if args.rows is not None:
+        raise errors.UserError("predict takes --config or --rows, not both")
+      build.step_config(args.config, args.backend, args.set, args.micro)
+  # Each flag replaces only a file of its own kind: predictions, or a census file.
+  kinds = {"json": ("predictions", predict.FORMAT), "out": ("predictions", predict.FORMAT),
+           "save": ("census", cal.CENSUS_FORMAT)}
+  for flag, (what, fmt) in kinds.items():
+    if getattr(args, flag, ""):
+      destinations.check_file(getattr(args, flag), what=f"a step-model {what} file",
+                              flag=f"--{flag}", replaces=_of_format(fmt))
+
+
+def _of_format(fmt: str):
+  """A `replaces` test for check_file: a JSON object whose "format" is `fmt` or an earlier
+  version of it (".../1" for ".../2")."""
+  test = destinations.json_with_keys("format", "rows")
+
+  def replaces(path: str) -> bool:
+    if not test(path):
+      return False
+    with open(path, encoding="utf-8") as f:
+      return str(json.load(f)["format"]).split("/")[0] == fmt.split("/")[0]
+  return replaces
 
 
 def main(argv=None) -> int:
@@ -238,7 +236,7 @@ def main(argv=None) -> int:
   args.argv = argv
   try:
     _check(args)
-    return census(args) if args.command == "census" else report(args)
+    return {"census": census, "report": report, "predict": predict_command}[args.command](args)
   except errors.UserError as e:
     print(f"s24jax.step_model: {e}", file=sys.stderr)
     return e.exit_code

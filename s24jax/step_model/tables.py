@@ -1,4 +1,4 @@
-"""Markdown and text tables of censuses and of the model's times."""
+"""Markdown and text tables of censuses, of the model's fit per device, and of its times."""
 from __future__ import annotations
 
 from typing import Any
@@ -49,6 +49,42 @@ def top_kernels(kernels, c, table, n: int) -> str:
   return "\n".join(lines)
 
 
+def ms(value: float | None) -> str:
+  return "-" if value is None else f"{value:.1f}"
+
+
+def model_ms(fit, kernels) -> str:
+  """The step's model time on a fitted device ('-' where its table lacks a GEMM)."""
+  try:
+    return ms(1e3 * fit.step_seconds(kernels))
+  except roofline.MissingGemm:
+    return "-"
+
+
+def validation_markdown(fit) -> str:
+  """A device's constants, each row's error in-sample and left out, and both summaries
+  (validation.DeviceFit)."""
+  lines = [f"## {fit.device} ({', '.join(r.folder for r in fit.runs)}): "
+           f"{fit.constants.describe()}\n",
+           "| measured row | measured ms | model ms | error | left out: model ms | error |",
+           "|---|---|---|---|---|---|"]
+  for m, model, loo, err, loo_err in zip(fit.rows, fit.model_s, fit.loo_s, fit.errors(),
+                                         fit.errors(loo=True)):
+    lines.append(f"| {m.row.name} | {1e3 * m.row.seconds:.1f} | {1e3 * model:.1f} | "
+                 f"{100 * err:+.1f} % | {1e3 * loo:.1f} | {100 * loo_err:+.1f} % |")
+  lines.append("")
+  for label, loo in (("in-sample", False), ("leave-one-out", True)):
+    s = fit.summary(loo)
+    lines.append(f"{label}: |error| median {100 * s['median_abs_error']:.1f} %, max "
+                 f"{100 * s['max_abs_error']:.1f} %; ranking: Kendall's tau "
+                 f"{s['kendall_tau']:+.2f} ({s['discordant_pairs']} discordant, "
+                 f"{s['tied_pairs']} tied of "
+                 f"{s['concordant_pairs'] + s['discordant_pairs'] + s['tied_pairs']} pairs; the "
+                 f"widest discordant pair measured {100 * s['widest_discordant_gap']:.1f} % "
+                 "apart)")
+  return "\n".join(lines)
+
+
 def predictions_markdown(rows: list[dict[str, Any]]) -> str:
   """One line per predicted row name: its shape, dense ms and tokens/s, and each sparse arm
   as ms (speed relative to dense: dense ms / ms)."""
@@ -61,13 +97,14 @@ def predictions_markdown(rows: list[dict[str, Any]]) -> str:
   for name in names:
     by_arm = {(r["recipe"], r["backend"]): r for r in rows if r["name"] == name}
     dense = by_arm.get(("dense", "xla"))
+    dense = dense if dense and dense["step_ms"] else None
     first = next(iter(by_arm.values()))
     cells = [name, f"{first['num_layers']} x {first['d_model']}",
              f"{first['micro_batch']} x {first['seq_len']}",
              f"{dense['step_ms']:.0f} ({dense['tokens_per_sec'] / 1e3:.0f}k)" if dense else "-"]
     for arm in arms:
       r = by_arm.get(arm)
-      if r is None:
+      if r is None or r["step_ms"] is None:
         cells.append("-")
       elif dense:
         cells.append(f"{r['step_ms']:.0f} ({dense['step_ms'] / r['step_ms']:.2f}x)")
