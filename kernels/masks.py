@@ -9,6 +9,14 @@ Public names (used by notebooks, docs and outside checks): `nm_mask`, `transposa
 `venom_mask`. The other public helpers (`transposable_kept_ratio`, `mvue24_inclusion_prob`,
 `mvue24_variance`, `venom_select`, `TRANSPOSABLE_PATTERNS`) exist for reporting, kernels and
 tests.
+
+The 2:4 projections (`nm_mask`, `soft_threshold24`, `mvue24`) work on a group's members as
+separate arrays, elementwise (no sort, reduction or stack over a group of four), so that
+XLA:GPU fuses them with the cuSPARSELt compression that follows (kernels/cusparselt/
+traffic.py: deviceless H100 compiles; never run on a GPU). Their results are bit for bit those
+of the sort / reduction versions they replaced (checked on CPU), except `mvue24` on a group
+holding a NaN, which is now all NaN (XLA:CPU's vectorised max had skipped the NaN at some
+shapes and not at others).
 """
 from __future__ import annotations
 
@@ -32,20 +40,41 @@ def check_groupable(x: jax.Array, m: int, what: str = "last axis") -> None:
         f"(dimension {x.shape[-1] if x.ndim else None} is not divisible by {m}).")
 
 
-def _rank_desc(g: jax.Array) -> jax.Array:
-  """Descending rank of every entry within its group (last axis), ties to the lower index.
+def _members(g: jax.Array) -> list[jax.Array]:
+  """The m members of every group (last axis of g (..., G, m)) as m arrays (..., G)."""
+  return [g[..., i] for i in range(g.shape[-1])]
 
-  rank[i] = number of entries that beat entry i: larger, or equal with a lower index. A
-  pairwise comparison instead of a sort: groups are tiny (m = 4 or 8), it fuses into one
-  elementwise kernel, and the tie rule is explicit, so exactly n entries have rank < n.
+
+def _stack_last(parts: list[jax.Array]) -> jax.Array:
+  """jnp.stack(parts, -1), written as zero pads ORed together (on the bits of floats: exact).
+
+  Why: XLA:GPU fuses a stack (a concatenate) poorly and, in front of a compression that reads
+  the members back, wrote the stacked array out; pads are elementwise, so the members' math
+  fuses into whatever consumes the result (kernels/cusparselt/traffic.py)."""
+  dtype = parts[0].dtype
+  as_bits = jnp.issubdtype(dtype, jnp.floating)
+  bits = jnp.dtype(f"uint{8 * jnp.dtype(dtype).itemsize}") if as_bits else dtype
+  m, out = len(parts), None
+  for i, part in enumerate(parts):
+    v = jax.lax.bitcast_convert_type(part, bits) if as_bits else part
+    v = jax.lax.pad(v[..., None], jnp.zeros((), bits), [(0, 0, 0)] * v.ndim + [(i, m - 1 - i, 0)])
+    out = v if out is None else out | v
+  return jax.lax.bitcast_convert_type(out, dtype) if as_bits else out
+
+
+def _ranks_desc(members: list[jax.Array]) -> list[jax.Array]:
+  """Descending rank of every member within its group, ties to the lower index (int32).
+
+  rank_j = number of members i that beat member j: larger, or equal with a lower index
+  (i < j: a_i >= a_j; i > j: a_i > a_j). Pairwise comparisons instead of a sort: groups are
+  tiny (m = 4 or 8), the tie rule is explicit, so exactly n members have rank < n, and the
+  ranks are elementwise in the members, which XLA fuses into their consumer.
   """
-  m = g.shape[-1]
-  a = g[..., :, None]                                             # (..., G, m, 1) entry i
-  b = g[..., None, :]                                             # (..., G, 1, m) entry j
-  idx = jnp.arange(m)
-  lower = idx[None, :] < idx[:, None]                             # (m, m) j < i
-  beats = (b > a) | ((b == a) & lower)                            # (..., G, m, m)
-  return beats.sum(-1)                                            # (..., G, m)
+  ranks = []
+  for j, mj in enumerate(members):
+    beats = [(mi >= mj) if i < j else (mi > mj) for i, mi in enumerate(members) if i != j]
+    ranks.append(sum((b.astype(jnp.int32) for b in beats), jnp.zeros(mj.shape, jnp.int32)))
+  return ranks
 
 
 # ----------------------------------------------------------------------------------------
@@ -63,7 +92,8 @@ def nm_mask(w: jax.Array, n: int = 2, m: int = 4) -> jax.Array:
     raise ValueError(f"nm_mask needs 0 <= n <= m; got n={n}, m={m}.")
   check_groupable(w, m)
   g = jnp.abs(w).reshape(*w.shape[:-1], w.shape[-1] // m, m)   # (..., K/m, m)
-  return (_rank_desc(g) < n).reshape(w.shape)                    # (..., K)
+  keep = [r < n for r in _ranks_desc(_members(g))]               # m x (..., K/m)
+  return _stack_last(keep).reshape(w.shape)                      # (..., K)
 
 
 def soft_threshold24(w: jax.Array) -> jax.Array:
@@ -75,9 +105,21 @@ def soft_threshold24(w: jax.Array) -> jax.Array:
   check_groupable(w, 4)
   g = w.reshape(*w.shape[:-1], w.shape[-1] // 4, 4)              # (..., K/4, 4)
   a = jnp.abs(g)
-  t = jnp.sort(a, axis=-1)[..., 1:2]                               # (..., K/4, 1)
+  t = _second_smallest(_members(a))[..., None]                     # (..., K/4, 1)
   s = jnp.sign(g) * jnp.maximum(a - t, 0)
   return s.reshape(w.shape)                                        # (..., K)
+
+
+def _second_smallest(mags: list[jax.Array]) -> jax.Array:
+  """The second smallest of four magnitudes (|x|, sign bit clear), exactly as jnp.sort orders
+  them: a min/max network on their bits, whose integer order is that of the magnitudes with
+  NaN above +inf (sort puts NaNs last). Elementwise, so XLA fuses it where a sort over a
+  size-4 axis is a kernel of its own."""
+  bits = jnp.dtype(f"int{8 * jnp.dtype(mags[0].dtype).itemsize}")
+  b = [jax.lax.bitcast_convert_type(v, bits) for v in mags]
+  low = jnp.maximum(jnp.minimum(b[0], b[1]), jnp.minimum(b[2], b[3]))
+  high = jnp.minimum(jnp.maximum(b[0], b[1]), jnp.maximum(b[2], b[3]))
+  return jax.lax.bitcast_convert_type(jnp.minimum(low, high), mags[0].dtype)
 
 
 def flip_rate(mask_new: jax.Array, mask_old: jax.Array) -> jax.Array:
@@ -184,17 +226,18 @@ MVUE_REL_EPS = 1e-6
 MVUE_TINY = float(np.finfo(np.float32).tiny)
 
 
-def _mvue24_weights(x: jax.Array) -> jax.Array:
-  """a_i = |x_i| + eps per group of four, float32, shape (..., K/4, 4)."""
+def _mvue24_weights(x: jax.Array) -> list[jax.Array]:
+  """a_i = |x_i| + eps per group of four, float32: four arrays (..., K/4), one per member."""
   check_groupable(x, 4)
   g = jnp.abs(x.astype(jnp.float32)).reshape(*x.shape[:-1], x.shape[-1] // 4, 4)  # (..., K/4, 4)
-  eps = MVUE_REL_EPS * jnp.max(g, axis=-1, keepdims=True) + MVUE_TINY  # (..., K/4, 1)
-  return g + eps                                                  # (..., K/4, 4)
+  c = _members(g)                                                # 4 x (..., K/4)
+  top = jnp.maximum(jnp.maximum(c[0], c[1]), jnp.maximum(c[2], c[3]))   # exact, as a max is
+  eps = MVUE_REL_EPS * top + MVUE_TINY
+  return [ci + eps for ci in c]
 
 
-def _inclusion_prob_grouped(a: jax.Array) -> jax.Array:
-  """p_i = a_i/S + sum_{j != i} (a_j/S) a_i/(S - a_j) for weights a (..., G, 4)."""
-  c = [a[..., i] for i in range(4)]                              # 4 x (..., G)
+def _inclusion_prob_grouped(c: list[jax.Array]) -> list[jax.Array]:
+  """p_i = a_i/S + sum_{j != i} (a_j/S) a_i/(S - a_j) for the weights a_i of four arrays."""
 
   def others(v, i):   # sum over j != i, added explicitly (see below)
     rest = [v[j] for j in range(4) if j != i]
@@ -202,18 +245,19 @@ def _inclusion_prob_grouped(a: jax.Array) -> jax.Array:
 
   # Every sum is over the other three terms, never "total minus own term": when one a_j
   # dominates (e.g. [1, 0, 0, 0]) a subtraction would cancel catastrophically in float32 and
-  # cost ~1e-5 of p_i. Written per column (not as a masked (G, 4, 4) reduction) so that XLA
-  # fuses it into one elementwise loop: 18x faster on CPU, where MVUE was most of a step.
+  # cost ~1e-5 of p_i. Per member (no masked (G, 4, 4) reduction, no stack), so that XLA
+  # fuses it into one elementwise loop (18x faster on CPU, where MVUE was most of a step)
+  # with the draw and whatever consumes the estimate.
   s = ((c[0] + c[1]) + c[2]) + c[3]                              # (..., G)
   q = [ci / s for ci in c]                                       # first-draw probabilities
   t = [q[j] / others(c, j) for j in range(4)]                    # q_j / (S - a_j)
-  return jnp.stack([q[i] + c[i] * others(t, i) for i in range(4)], -1)   # (..., G, 4)
+  return [q[i] + c[i] * others(t, i) for i in range(4)]          # 4 x (..., G)
 
 
 def mvue24_inclusion_prob(x: jax.Array) -> jax.Array:
   """Probability p_i that `mvue24` keeps entry i (float32, same shape as x); sums to 2 per group."""
-  p = _inclusion_prob_grouped(_mvue24_weights(x))                # (..., K/4, 4)
-  return p.reshape(x.shape)
+  p = _inclusion_prob_grouped(_mvue24_weights(x))                # 4 x (..., K/4)
+  return _stack_last(p).reshape(x.shape)
 
 
 def mvue24_variance(x: jax.Array) -> jax.Array:
@@ -234,8 +278,9 @@ def mvue24(key: jax.Array, x: jax.Array) -> jax.Array:
   index with probability a_i/S, then a second from the remaining three with probability
   proportional to a_j; keep the two drawn entries as x_i / p_i with p_i the inclusion
   probability (`mvue24_inclusion_prob`), zero the rest. Sampling uses the Gumbel top-2 trick:
-  the two largest of log a_i + Gumbel_i are distributed exactly as that successive draw
-  without replacement. Exactly two positions are drawn per group; an output can still have
+  the two largest of log a_i + Gumbel_i (ties: lower index; Gumbel_i of group g is
+  jax.random.gumbel(key, (..., K/4, 4))[..., g, i]) are distributed exactly as that successive
+  draw without replacement. Exactly two positions are drawn per group; an output can still have
   fewer non-zeros when a drawn x_i is 0. Since |x_i| <= a_i and p_i >= a_i/S, every kept value
   is bounded by S (no overflow, also in bfloat16).
 
@@ -246,13 +291,13 @@ def mvue24(key: jax.Array, x: jax.Array) -> jax.Array:
   Returns:
     Array of x's shape and dtype (computed in float32), at most two non-zeros per group.
   """
-  a = _mvue24_weights(x)                                         # (..., K/4, 4)
-  p = _inclusion_prob_grouped(a)                                 # (..., K/4, 4)
-  gumbel = jax.random.gumbel(key, a.shape, jnp.float32)          # (..., K/4, 4)
-  keep = _rank_desc(jnp.log(a) + gumbel) < 2                     # (..., K/4, 4)
-  xg = x.astype(jnp.float32).reshape(a.shape)                    # (..., K/4, 4)
-  out = jnp.where(keep, xg / p, 0.0)                             # (..., K/4, 4)
-  return out.reshape(x.shape).astype(x.dtype)
+  a = _mvue24_weights(x)                                         # 4 x (..., K/4)
+  p = _inclusion_prob_grouped(a)                                 # 4 x (..., K/4)
+  gumbel = jax.random.gumbel(key, (*x.shape[:-1], x.shape[-1] // 4, 4), jnp.float32)
+  keep = [r < 2 for r in _ranks_desc([jnp.log(ai) + gi for ai, gi in zip(a, _members(gumbel))])]
+  xg = _members(x.astype(jnp.float32).reshape(gumbel.shape))     # 4 x (..., K/4)
+  out = [jnp.where(k, xi / pi, 0.0).astype(x.dtype) for k, xi, pi in zip(keep, xg, p)]
+  return _stack_last(out).reshape(x.shape)
 
 
 # ----------------------------------------------------------------------------------------
@@ -342,7 +387,7 @@ def venom_select(x: jax.Array, v: int, n: int = 2, m: int = 8) -> tuple[jax.Arra
   best = jnp.argmax(score, axis=0)                               # (..., R/v, C/m)
   col_idx = subs[best]                                           # (..., R/v, C/m, 4)
   cond = jnp.take_along_axis(blk, col_idx[..., None, :], axis=-1)  # (..., R/v, C/m, v, 4)
-  keep = _rank_desc(cond) < n                                    # (..., R/v, C/m, v, 4)
+  keep = _stack_last([r < n for r in _ranks_desc(_members(cond))])  # (..., R/v, C/m, v, 4)
   onehot = col_idx[..., None, :, None] == jnp.arange(m)          # (..., R/v, C/m, 1, 4, m)
   mask = jnp.any(onehot & keep[..., None], axis=-2)              # (..., R/v, C/m, v, m)
   mask = jnp.swapaxes(mask, -3, -2).reshape(x.shape)             # (..., R, C)

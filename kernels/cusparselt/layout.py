@@ -122,12 +122,43 @@ def compressed_bytes(m: int, k: int, element_bytes: int) -> int:
   return m * k * element_bytes // 2 + m * k // 8
 
 
+def _nibble_table() -> tuple[int, int]:
+  """The nibble i0 | i1 << 2 of each pattern Z = sum_j 2^j (x_j != 0) of a group's non-zeros,
+  by `_common.select_two`'s key (module docstring: non-zeros, then the lowest-indexed zeros):
+  patterns 0-7 in the first 32-bit word, 8-15 in the second, 4 bits each."""
+  words = [0, 0]
+  for z in range(16):
+    kept = sorted(range(4), key=lambda j: j + (0 if z >> j & 1 else 4))[:2]   # select_two's key
+    i0, i1 = sorted(kept)
+    words[z >> 3] |= (i0 | i1 << 2) << 4 * (z & 7)
+  return words[0], words[1]
+
+
+_NIBBLES_LOW, _NIBBLES_HIGH = _nibble_table()
+
+
+def _nibble_of(parts) -> jax.Array:
+  """The nibbles (uint32) of groups given as their four members (same-shaped arrays): a table
+  lookup by shift, a handful of elementwise ops that XLA fuses into whatever reads them (a
+  ranking of the four would make it materialize them, see `compress`)."""
+  nz = [(p != 0).astype(jnp.uint32) for p in parts]
+  z = nz[0] | nz[1] << 1 | nz[2] << 2
+  table = jnp.where(nz[3] != 0, jnp.uint32(_NIBBLES_HIGH), jnp.uint32(_NIBBLES_LOW))
+  return (table >> (z << 2)) & 15
+
+
 def positions(op_a: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
   """(i0, i1, v0, v1) per group of op(A) (m, k): the kept positions i0 < i1 (module docstring)
   and their values, each (m, k/4)."""
-  parts = _common.split_positions(op_a)                              # 4 x (m, k/4)
-  sel = _common.select_two([p != 0 for p in parts])
-  return _common.slots_from_selection(sel, parts)
+  m, k = op_a.shape
+  groups = op_a.reshape(m, k // 4, 4)
+  nib = _nibble_of([groups[..., j] for j in range(4)])
+  i0, i1 = nib & 3, nib >> 2
+  # Gathers, not selects among the four: XLA fuses these into the compression's one pass
+  # where a select chain (each member used thrice) made it write op(A) out first.
+  take = lambda i: jnp.take_along_axis(   # noqa: E731
+      groups, i[..., None].astype(jnp.int32), axis=-1, mode="promise_in_bounds")[..., 0]
+  return i0, i1, take(i0), take(i1)
 
 
 def _check(lay: Layout, m: int, k: int, dtype) -> None:
@@ -155,16 +186,102 @@ def nibbles(meta: jax.Array, m: int, k: int, lay: Layout) -> jax.Array:
   return n.transpose(inverse).reshape(m, k // 4)
 
 
+def _word_order(lay: Layout, m: int, k: int):
+  """`lay`'s byte order refined so that a uint32 word (four consecutive metadata bytes) is
+  whole axes: (natural, sizes, output, word), axis ids with `natural` their order in the
+  nibble array's reshape, `output` their order in the buffer (the nibble pair last) and
+  `word` the axes inside a word (output order, slowest first). None where the bytes do not
+  group into words along whole axes (then `compress` writes bytes)."""
+  split = lay.split(m, k)
+  sizes = dict(enumerate(split))
+  natural, output = list(range(len(split))), list(lay.perm)
+  need, word, pos = 4, [], len(output) - 2
+  while need > 1:
+    if pos < 0:
+      return None
+    ax = output[pos]
+    if need % sizes[ax] == 0:                    # the whole axis goes into the word
+      need //= sizes[ax]
+      word.insert(0, ax)
+      pos -= 1
+    elif sizes[ax] % need == 0:                  # its fastest `need` values do: split it
+      low = len(sizes)
+      sizes[ax], sizes[low] = sizes[ax] // need, need
+      natural.insert(natural.index(ax) + 1, low)
+      output.insert(output.index(ax) + 1, low)
+      word.insert(0, low)
+      need = 1
+    else:
+      return None
+  return natural, sizes, output, word
+
+
+def _meta_words(op_a: jax.Array, order) -> jax.Array:
+  """The metadata (m k / 32,) uint32 of op(A), computed in op(A)'s own order (each word from
+  the groups it packs, read as slices) and transposed into the layout's order last: a
+  transpose of words, which XLA folds into the compression's kernel when op(A) is not itself
+  a transposed array (from one, it is a kernel of its own: traffic.py, note 2)."""
+  natural, sizes, output, word = order
+  pair = output[-1]
+  x = op_a.reshape([sizes[a] for a in natural] + [4])      # the nibble axes, then the group
+  fixed = word + [pair]
+  rest = [a for a in natural if a not in fixed]
+  words = None
+  for flat in range(8):                                     # 4 bytes x 2 nibbles
+    at, r = {}, flat
+    for a in reversed(fixed):
+      at[a], r = r % sizes[a], r // sizes[a]
+    index = tuple(at.get(a, slice(None)) for a in natural)
+    nib = _nibble_of([x[index + (j,)] for j in range(4)])  # axes `rest`
+    byte = flat // 2                                        # the word axes' mixed radix
+    shifted = nib << (8 * byte + 4 * at[pair])
+    words = shifted if words is None else words | shifted
+  out_rest = [a for a in output if a not in fixed]
+  return words.transpose([rest.index(a) for a in out_rest]).reshape(-1)
+
+
+def _value_words(v0: jax.Array, v1: jax.Array) -> jax.Array | None:
+  """The values section as uint32 words (little-endian, as the buffer's bytes): one group's
+  two values per word for 16-bit types, two groups' for 8-bit ones; None for other sizes."""
+  size = jnp.dtype(v0.dtype).itemsize
+  if size not in (1, 2) or (size == 1 and v0.shape[-1] % 2):
+    return None
+  bits = lambda v: jax.lax.bitcast_convert_type(   # noqa: E731
+      v, jnp.uint16 if size == 2 else jnp.uint8).astype(jnp.uint32)
+  if size == 2:
+    return bits(v0) | bits(v1) << 16
+  even, odd = (v.reshape(*v.shape[:-1], -1, 2) for v in (v0, v1))
+  return (bits(even[..., 0]) | bits(odd[..., 0]) << 8 | bits(even[..., 1]) << 16
+          | bits(odd[..., 1]) << 24)
+
+
 def compress(op_a: jax.Array, lay: Layout) -> jax.Array:
   """op(A) (m, k), 2:4 along k, as cuSPARSELt's compressed buffer in `lay`: uint8
-  (compressed_bytes(m, k, itemsize),). Pure jnp: XLA fuses it with whatever produced op(A)."""
+  (compressed_bytes(m, k, itemsize),). Pure jnp: XLA fuses it with whatever produced op(A).
+
+  Written for XLA:GPU's fusion (deviceless H100 compiles, kernels/cusparselt/traffic.py; not
+  measured on a GPU): the buffer is uint32 words, the values' and the metadata's, each word
+  computed from the groups it holds with elementwise ops, and one concatenate of the two
+  sections, bitcast to bytes at the end. So XLA can make one kernel of the projection and the
+  compression (it does for the hard and S-STE projections at GPT-2 124M's shapes on an
+  H100), reading the projection's input once for the values and once more (in the same
+  kernel, unseen by XLA's byte count) for the metadata. Bytes instead of words (a uint8
+  bitcast of the values, a byte-wise metadata) made XLA write the values out and copy them
+  into the concatenate.
+  """
   m, k = op_a.shape
   _check(lay, m, k, op_a.dtype)
   i0, i1, v0, v1 = positions(op_a)                                   # 4 x (m, k/4)
-  # A select of broadcasts, not a stack (a concatenate): XLA fuses it with its producers.
+  values = _value_words(v0, v1)
+  order = _word_order(lay, m, k)
+  if values is not None and order is not None:
+    words = jnp.concatenate([values.reshape(-1), _meta_words(op_a, order)])
+    return jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(-1)
+  # Elsewhere (the stand-in's NATURAL order on shapes off every tile, other element sizes):
+  # the values' bytes then the metadata's, as the module docstring lays them out.
   slot = jax.lax.broadcasted_iota(jnp.int32, (m, k // 4, 2), 2)
-  values = jnp.where(slot == 0, v0[..., None], v1[..., None])        # (m, k/4, 2)
-  value_bytes = jax.lax.bitcast_convert_type(values, jnp.uint8).reshape(-1)
+  pairs = jnp.where(slot == 0, v0[..., None], v1[..., None])        # (m, k/4, 2)
+  value_bytes = jax.lax.bitcast_convert_type(pairs, jnp.uint8).reshape(-1)
   return jnp.concatenate([value_bytes, metadata(_common.nibble(i0, i1), lay)])
 
 

@@ -116,3 +116,21 @@ def test_wrong_shape_or_type_is_refused_naming_the_layout():
     layout.compress(jnp.zeros((64, 128), jnp.bfloat16), layout.SM90_8BIT)
   with pytest.raises(ValueError, match="bytes, not"):
     layout.decompress(jnp.zeros((7,), jnp.uint8), 64, 64, jnp.bfloat16, layout.SM90_16BIT)
+
+
+def test_a_group_of_more_than_two_nonzeros_keeps_its_two_lowest_indexed():
+  """Not 2:4 (3 or 4 non-zeros in a group): the two lowest-indexed non-zeros are kept (module
+  docstring of layout.py), checked against the brute force's rule."""
+  rng = np.random.default_rng(5)
+  a = (1.0 + rng.random((64, 64))).astype(np.float32)
+  a[:, 1::4] *= rng.random((64, 16)) < 0.5                      # some groups of 3, some of 4
+  a = np.asarray(jnp.asarray(a).astype(jnp.bfloat16))
+  buf = np.asarray(layout.compress(jnp.asarray(a), layout.SM90_16BIT))
+  vals, nib = _brute_force_values(a)
+  np.testing.assert_array_equal(buf[:64 * 32 * 2], vals.view(np.uint8).reshape(-1))
+  np.testing.assert_array_equal(buf[64 * 32 * 2:],
+                                np.asarray(layout.metadata(jnp.asarray(nib), layout.SM90_16BIT)))
+  back = np.asarray(layout.decompress(jnp.asarray(buf), 64, 64, jnp.bfloat16,
+                                      layout.SM90_16BIT), np.float32)
+  kept = (np.cumsum(a.reshape(64, 16, 4) != 0, -1) <= 2).reshape(64, 64)
+  np.testing.assert_array_equal(back, np.where(kept, a.astype(np.float32), 0))

@@ -132,6 +132,19 @@ def test_soft_threshold24_dtype_and_errors():
     masks.soft_threshold24(jnp.ones((2, 6)))
 
 
+def test_soft_threshold24_orders_nan_inf_and_zeros_as_a_sort_does():
+  """t is the second smallest |w| in np.sort's order (NaN last); signed zeros kept; f32, bf16."""
+  w = np.array([[np.nan, 1, -2, 3], [3, np.nan, np.nan, -1], [np.inf, -0.0, 2, 0.0],
+                [-np.inf, np.inf, 1, np.nan], [-0.0, 0.0, -0.0, 5], [-2, 2, -2, 2]], np.float32)
+  a, sign = np.abs(w), np.where(w == 0, w, np.sign(w))             # jnp.sign(-0.0) is -0.0
+  with np.errstate(invalid="ignore"):
+    want = sign * np.maximum(a - np.sort(a, axis=-1)[:, 1:2], 0)
+  for dtype in (jnp.float32, jnp.bfloat16):
+    got = np.asarray(jax.jit(masks.soft_threshold24)(jnp.asarray(w, dtype)), np.float32)
+    np.testing.assert_array_equal(got, want)                       # NaN where NaN
+    np.testing.assert_array_equal(np.signbit(got[got == 0]), np.signbit(want[want == 0]))
+
+
 def test_flip_rate_hand_computed():
   old = jnp.array([[1, 1, 0, 0], [0, 1, 1, 0]], bool)
   new = jnp.array([[1, 0, 1, 0], [0, 1, 1, 0]], bool)   # 2 of 8 changed

@@ -118,6 +118,39 @@ def test_kernel_and_masks_follow_one_epsilon_rule():
     np.testing.assert_allclose(xf[kept] / dense[kept], want[kept], rtol=1e-5)
 
 
+def _masks_mvue24_np(x: np.ndarray, gumbel: np.ndarray) -> np.ndarray:
+  """NumPy, group by group, from masks.mvue24's documented draws: keep the two largest
+  log a_i + G_i (ties: lower index), as x_i / p_i (_np_inclusion); zeros elsewhere."""
+  xg, gg = x.reshape(-1, 4), np.asarray(gumbel, np.float64).reshape(-1, 4)
+  out = np.zeros(xg.shape)
+  for g, (xs, gs) in enumerate(zip(xg, gg)):
+    ax = np.abs(xs.astype(np.float64))
+    z = np.log(ax + masks.MVUE_REL_EPS * ax.max() + masks.MVUE_TINY) + gs
+    kept = np.argsort(-z, kind="stable")[:2]
+    out[g, kept] = xs[kept] / _np_inclusion(xs)[kept]
+  return out.reshape(x.shape)
+
+
+@pytest.mark.parametrize("dtype,rtol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2 ** -8)])
+def test_masks_mvue24_is_its_draws_kept_and_scaled(dtype, rtol):
+  """masks.mvue24(key, x) against NumPy from jax.random.gumbel(key, (..., K/4, 4)) (the draws
+  it documents): positions, values and the signs of zeros; x with zeros, -0.0, ties, an
+  all-zero group, also as the backend passes it (dY^T, a transposed array)."""
+  rng = np.random.default_rng(3)
+  dy = rng.standard_normal((24, 8)) * rng.choice([0.0, 1.0, 1.0, 1e-3], (24, 8))
+  dy[:4, 0], dy[4:8, 1], dy[8:12, 2] = 0.0, -0.0, [2, -2, 2, -2]
+  dy = np.asarray(jnp.asarray(dy, dtype))                             # exactly representable
+  for seed, transposed in ((0, True), (1, True), (2, False)):
+    key = jax.random.key(seed)
+    x = jnp.asarray(dy).T if transposed else jnp.asarray(dy.T.copy())   # (8, 24)
+    got = np.asarray(jax.jit(masks.mvue24)(key, x), np.float32)
+    gumbel = jax.random.gumbel(key, (8, 6, 4), jnp.float32)
+    want = _masks_mvue24_np(dy.T.astype(np.float32), gumbel)
+    np.testing.assert_array_equal(got != 0, want != 0)
+    np.testing.assert_allclose(got, want, rtol=rtol)
+    np.testing.assert_array_equal(np.signbit(got[got == 0]), np.signbit(want[want == 0]))
+
+
 def test_uniforms_are_uniform():
   u = np.asarray(mv._uniform(mv.seed_hash(3), jnp.arange(200_000,
                                                         dtype=jnp.uint32)))
