@@ -6,7 +6,7 @@
 `--config.path.to.field=value` overrides any field (values are read as every s24jax command
 line reads them: s24jax/config_files.py). Running the same command again resumes
 from the last checkpoint in the workdir (step 0 included). The whole run is checked before
-anything is written (s24jax/validate.py); a mistake is one line naming the field.
+anything is written (s24jax/training/validate.py); a mistake is one line naming the field.
 
 Multi-host: add --distributed (jax.distributed.initialize(), which reads the cluster from the
 environment on SLURM, Open MPI, Kubernetes, TPU pods), or give the cluster explicitly; any of
@@ -70,9 +70,9 @@ from absl import app, flags, logging
 
 from s24jax import destinations
 from s24jax import errors
-from s24jax import loop
-from s24jax import validate
-from s24jax import workdir as workdir_lib
+from s24jax.training import loop
+from s24jax.training import validate
+from s24jax.training import workdir as workdir_lib
 from s24jax.kernels import aot
 from s24jax.kernels.cusparselt import library as cusparselt_library
 from s24jax.kernels.cusparselt import ops as cusparselt_ops
@@ -265,14 +265,14 @@ def _main(argv):
     if explicit and not _DISTRIBUTED.value:
       logging.info("%s given: running with --distributed", ", ".join(f"--{k}" for k in explicit))
     sys.exit(_train(config, workdir, distributed, process, held,
-                    allow_unmatched=_ALLOW_UNMATCHED.value))
+                    allow_unmatched=_ALLOW_UNMATCHED.value, source=_CONFIG.value))
   finally:
     if process == 0:
       lock.release()
 
 
 def _train(config, workdir: str, distributed: bool, process: int, held: _Held, *,
-           allow_unmatched: bool = False) -> int:
+           allow_unmatched: bool = False, source: str = "") -> int:
   """The run; its exit code (module docstring)."""
   log_path = []
 
@@ -291,8 +291,7 @@ def _train(config, workdir: str, distributed: bool, process: int, held: _Held, *
                                  num_processes=_NUM_PROCESSES.value,
                                  process_id=_PROCESS_ID.value)
     final = loop.train_and_evaluate(config, workdir, on_start=start,
-                                    allow_unmatched_layers=allow_unmatched,
-                                    source=_CONFIG.value)
+                                    allow_unmatched_layers=allow_unmatched, source=source)
   except errors.KnownError as e:
     log = logging.warning if e.exit_code == errors.EXIT_PREEMPTED else logging.error
     log("%s (exit code %d)", e, e.exit_code)

@@ -27,7 +27,7 @@ the last log (`flip_warn`).
 """
 from __future__ import annotations
 
-from s24jax import compare
+from s24jax.cli import compare
 
 SR_STE = "experiments/gpt2_sr_ste.py:tiny"
 RECIPE = "experiments/gpt2_t_sr_ste_df.py:tiny"

@@ -14,21 +14,21 @@ Runs, each in its own workdir under --root (finished runs are reused):
                            just-dropped entries, moments reset, round()ed counts, update steps
                            also train
 and prints a markdown table: val/train loss, the run's total training FLOPs
-(s24jax/flops.py), the reduction factor against the dense run (dense FLOPs / run FLOPs), and
+(s24jax/training/flops.py), the reduction factor against the dense run (dense FLOPs / run FLOPs), and
 the same factor without the lm head (dense or sparse). The MST workdirs get mst_schedule.png
 (target sparsity per phase, drop fraction, attention window, and the sparsity after every
 topology update).
 
 The tiny model's 50k-vocabulary head is 94% of its dense FLOPs, so the total moves with the
 head only. Measured: docs/results.md, "Mixed Sparsity Training"; the paper-scale number is the 124m plan
-(`python -m s24jax.flops experiments/gpt2_mst.py:124m`).
+(`python -m s24jax.cli.flops experiments/gpt2_mst.py:124m`).
 """
 from __future__ import annotations
 
 import argparse
 import os
 
-from s24jax import compare
+from s24jax.cli import compare
 
 FLOP_KEYS = ("flops_total", "flops_reduction", "flops_reduction_no_head")
 DENSE_HEAD = ("*/attn/*", "*/mlp/*")

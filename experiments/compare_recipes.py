@@ -37,7 +37,7 @@ import numpy as np
 
 from s24jax import config_files
 from s24jax import metrics as metrics_lib
-from s24jax import phases
+from s24jax.training import model_schedule
 from s24jax.methods import base as methods_base
 
 import gpt2_mst  # pylint: disable=wrong-import-order  (experiments/, beside this file)
@@ -210,7 +210,7 @@ def summary(workdir: str, name: str, variant: str, steps: int = 0,
       out["minutes"] = float(f.read())
   spec, overrides = run_config(name, variant, family)
   cfg = config_files.load_config(spec, {**overrides, **length_overrides(name, steps)})
-  start = phases.dense_finetune_start(methods_base.RunFacts.from_config(cfg))
+  start = model_schedule.dense_finetune_start(methods_base.RunFacts.from_config(cfg))
   if start < cfg.total_steps:   # the train-loss jump at the switch to dense fine-tuning
     logged, loss = metrics_lib.series(metrics_lib.read_jsonl(
         os.path.join(workdir, "metrics.jsonl")), "train/loss")

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 
-from s24jax import compare
+from s24jax.cli import compare
 from s24jax import metrics as metrics_lib
 
 S_STE = "experiments/gpt2_s_ste.py:tiny"

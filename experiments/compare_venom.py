@@ -14,7 +14,7 @@ Runs (each its own workdir under --root; finished ones are reused, not redone):
 
 Every run logs the activation statistics on the whole step batch at every log step
 (act_sparsity.stats_sequences = 16, i.e. the 1024 tokens of the tiny batch = 16 blocks of V=64).
-Columns beyond the standard ones (s24jax.compare):
+Columns beyond the standard ones (s24jax.cli.compare):
   zeros_end, kept_l1_end  exact-zero share and V:N:M kept-L1 share of the FFN activations,
                           mean over layers, at the last log step (dense phase if any);
   zeros_mean, kept_l1_mean the same averaged over all log steps of the run;
@@ -27,10 +27,10 @@ import os
 
 import numpy as np
 
-from s24jax import compare
+from s24jax.cli import compare
 from s24jax import config_files
 from s24jax import metrics as metrics_lib
-from s24jax import phases
+from s24jax.training import model_schedule
 from s24jax.methods import base as methods_base
 
 VENOM = "experiments/gpt2_venom.py:tiny"
@@ -51,7 +51,7 @@ def _extra_table(runs, root: str) -> str:
   for r in runs:
     records = metrics_lib.read_jsonl(os.path.join(root, r.name, "metrics.jsonl"))
     cfg = config_files.load_config(r.config, r.overrides)
-    dense_from = phases.dense_finetune_start(methods_base.RunFacts.from_config(cfg))
+    dense_from = model_schedule.dense_finetune_start(methods_base.RunFacts.from_config(cfg))
     _, zeros = metrics_lib.series(records, "act/zero_frac")
     _, kept = metrics_lib.series(records, "act/kept_l1")
     steps, val = metrics_lib.series(records, "val/loss")

@@ -6,7 +6,8 @@ Expected (tiny, 2 CPU cores, ~3 min): final val loss well below the unigram entr
 embedded Shakespeare corpus (docs/results.md has the measured numbers). No flip rate: nothing is
 sparse. Variants: tiny, 124m (default), 350m, 774m, 1558m.
 """
-from s24jax.config import apply_variant, base_config
+from s24jax.training.config import apply_variant
+from s24jax.training.config import base_config
 
 
 def get_config(variant=None, family="gpt2"):

@@ -3,7 +3,7 @@ of every linear layer and the tied LM head, with Sparsity Variation and Hybrid S
 (docs/algorithms.md, MST; s24jax/methods/mst/).
 
   python launch.py --config experiments/gpt2_mst.py:tiny --workdir runs/mst_tiny
-  python -m s24jax.flops experiments/gpt2_mst.py:124m        # planned FLOPs, no training
+  python -m s24jax.cli.flops experiments/gpt2_mst.py:124m        # planned FLOPs, no training
 
 Every linear layer of every block (attn qkv/out, mlp fc/proj) and the tied token embedding /
 LM head ('wte') are unstructured-sparse with Erdos-Renyi layer sparsities (the head is the
@@ -26,7 +26,9 @@ Measured: docs/results.md, "Mixed Sparsity Training" (experiments/compare_mst.py
 plan). 124m: the paper's setting (seq 1024, l=128).
 """
 from s24jax.state import HEADS
-from s24jax.config import CPU_VARIANTS, apply_variant, base_config
+from s24jax.training.config import CPU_VARIANTS
+from s24jax.training.config import apply_variant
+from s24jax.training.config import base_config
 
 CPU_UPDATES_PER_RUN = 24   # topology updates in a CPU run: Delta = total_steps / 24
 

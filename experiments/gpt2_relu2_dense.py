@@ -10,7 +10,9 @@ pre-activation), more at the end; a 2:8 V:N:M mask keeps most of their L1 magnit
 about half). Measured: docs/results.md, "Activation sparsity". Variants: tiny, 124m (default), 350m,
 774m, 1558m.
 """
-from s24jax.config import CPU_VARIANTS, apply_variant, base_config
+from s24jax.training.config import CPU_VARIANTS
+from s24jax.training.config import apply_variant
+from s24jax.training.config import base_config
 
 
 def get_config(variant=None, family="gpt2"):

@@ -24,7 +24,8 @@ below the unigram entropy of the embedded corpus (3.33), within ~1 % of the dens
 flip rate peaks at the end of warm-up, then decays; beta stays at its initial value. The band
 a run must land in: README, "Quick start". The default (no variant) is paper-scale GPT-2 124M.
 """
-from s24jax.config import apply_variant, base_config
+from s24jax.training.config import apply_variant
+from s24jax.training.config import base_config
 
 
 def get_config(variant=None, family="gpt2"):

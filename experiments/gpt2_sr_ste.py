@@ -9,7 +9,8 @@ lambda_W per model size from Hu et al. (methods.sr_ste.PAPER_DECAY: 6e-5 at 124M
 350M/1.5B; tiny uses the 124M value). Expected (tiny): a lower flip rate than plain STE late
 in training, val loss near STE. Measured: docs/results.md, "Hu et al. 2024".
 """
-from s24jax.config import apply_variant, base_config
+from s24jax.training.config import apply_variant
+from s24jax.training.config import base_config
 from s24jax.methods import sr_ste
 
 

@@ -5,7 +5,8 @@
 Expected (tiny): trains, val loss a little above dense; the flip rate stays high because
 nothing discourages pruned weights from crossing the threshold (what SR-STE fixes).
 """
-from s24jax.config import apply_variant, base_config
+from s24jax.training.config import apply_variant
+from s24jax.training.config import base_config
 
 
 def get_config(variant=None, family="gpt2"):

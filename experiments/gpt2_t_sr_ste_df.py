@@ -23,7 +23,9 @@ refresh), `train/mask_refresh/refreshed` (its log average: the refresh rate),
 2:4 mask) and `train/method/decay` (lambda_W) are logged. Measured: docs/results.md, "Every recipe
 over seeds" (experiments/compare_recipes.py).
 """
-from s24jax.config import CPU_VARIANTS, apply_variant, base_config
+from s24jax.training.config import CPU_VARIANTS
+from s24jax.training.config import apply_variant
+from s24jax.training.config import base_config
 from s24jax.methods import sr_ste
 
 

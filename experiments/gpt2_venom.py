@@ -20,7 +20,9 @@ V:N:M-friendly (the kept L1 share rises). Measured: docs/results.md, "Activation
 (experiments/compare_venom.py). On a GPU host --config.act_sparsity.backend=pallas selects and
 multiplies with kernels/venom.py (never run natively: no GPU in this project).
 """
-from s24jax.config import CPU_VARIANTS, apply_variant, base_config
+from s24jax.training.config import CPU_VARIANTS
+from s24jax.training.config import apply_variant
+from s24jax.training.config import base_config
 
 
 def get_config(variant=None, family="gpt2"):

@@ -2,7 +2,7 @@
 
   python experiments/plan_table.py [--gpu h100] [--root runs/plans] [--sizes 124m,...]
 
-Runs `python -m s24jax.plan --config experiments/gpt2_<method>.py:<size> --gpu GPU --devices N
+Runs `python -m s24jax.perf.plan --config experiments/gpt2_<method>.py:<size> --gpu GPU --devices N
 --json ...` for each cell (one process each: a process compiles for one GPU; finished cells
 are reused) and prints a markdown table: per-device memory, whether it fits, whether XLA had
 to rematerialize, the micro-batch and accumulation, FLOPs per step, and for the cells that do
@@ -24,7 +24,7 @@ METHODS = ("dense", "s_ste", "t_sr_ste_df")
 def cell(root: str, gpu: str, size: str, method: str, devices: int) -> dict:
   out = os.path.join(root, f"{gpu}_{method}_{size}_{devices}.json")
   if not os.path.exists(out):
-    cmd = [sys.executable, "-m", "s24jax.plan", "--config",
+    cmd = [sys.executable, "-m", "s24jax.perf.plan", "--config",
            f"experiments/gpt2_{method}.py:{size}", "--gpu", gpu, "--devices", str(devices),
            "--json", out]
     print(" ".join(cmd[1:]), flush=True)

@@ -5,9 +5,9 @@ speed-up over dense (for docs/backends.md):
   python experiments/step_time.py --variants 124m --steps 20 --json runs/step_time.json
   python experiments/step_time.py --variants tiny --allow-cpu   # a smoke run of the script
 
-The rows are those of the GPU report's train-step section (s24jax/gpu_report/steps.py, which
+The rows are those of the GPU report's train-step section (s24jax/perf/gpu_report/steps.py, which
 says how a step is timed): dense, Hu et al. and S-STE, each with sparsity.backend 'xla' and
-'cusparselt'. `python -m s24jax.gpu_report --sections steps` times the same steps, and the
+'cusparselt'. `python -m s24jax.perf.gpu_report --sections steps` times the same steps, and the
 step's anatomy, within a time budget.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ import sys
 
 import jax
 
-from s24jax.gpu_report import steps as steps_lib
+from s24jax.perf.gpu_report import steps as steps_lib
 
 ROWS = (("dense", "xla"), ("hu2024", "xla"), ("hu2024", "cusparselt"), ("s_ste", "xla"),
         ("s_ste", "cusparselt"))

@@ -22,7 +22,7 @@ reachable as `s24jax.kernels.<module>`. This __init__ imports nothing: import th
 you need (`from s24jax.kernels import sparsify24`), so no import runs in a circle through
 the package.
 
-Imports point one way: kernel files -> `_common`, `masks`, `timing` (and
+Imports point one way: kernel files -> `_common`, `masks`, `bench_harness` (and
 other kernel files, without cycles); the tools `bench` and `compile_check` -> kernel files;
 nothing imports a tool, and nothing here imports `s24jax` outside this
 package (tests/test_imports.py checks both).

@@ -22,7 +22,7 @@ thing, and a second copy would drift:
 (Over 400 lines, one module on purpose: the metadata format below and the
 helpers that pack, select and expand it are one contract; split up, the
 format's documentation and its code would drift apart. The benchmarks' timing
-and tables live in `timing.py`.)
+and tables live in `bench_harness.py`.)
 
 Metadata format (used by every compressed 2:4 array in this package)
 ---------------------------------------------------------------------
@@ -441,7 +441,7 @@ def interpret_default() -> bool:
   """Whether a caller that does not choose should run the kernels in Pallas
   interpret mode: yes unless jax's default backend is a GPU (on CPU the
   kernels then run, slowly and exactly, as jnp). The one rule for
-  `s24jax.sparse_ops` and `s24jax.act_sparsity`. A deviceless GPU compile
+  `s24jax.sparse_ops` and `s24jax.nn.act_sparsity`. A deviceless GPU compile
   (`kernels.compile_check`) traces with the CPU backend and must pass
   interpret=False itself.
   """

@@ -47,7 +47,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from . import _common as c
-from . import timing
+from . import bench_harness
 from .sparsify24 import compress24_reference
 
 # Token count up to which the compressed Pallas matmul is expected to beat
@@ -386,7 +386,7 @@ def sparse24_matmul_reference(x, values, meta):
 
 
 # ----------------------------------------------------------------------------
-# Benchmark rows (python -m s24jax.kernels.bench; kernels/timing.py).
+# Benchmark rows (python -m s24jax.kernels.bench; kernels/bench_harness.py).
 # ----------------------------------------------------------------------------
 def bench_operands(t, n, k, dtype):
   """x (t, k), a 2:4 W~ (n, k) compressed (values, meta), and W~ dense."""
@@ -402,9 +402,9 @@ def _bench_matmul(shapes, dtype, interpret, reps):
     fast = jax.jit(functools.partial(sparse24_matmul, interpret=interpret))
     nbytes = (values.size * values.dtype.itemsize + meta.size * 4
               + (x.size + t * n) * x.dtype.itemsize)
-    yield timing.row("sparse24_matmul", (t, n, k),
-                     timing.time_fn(fast, x, values, meta, reps=reps),
-                     timing.time_fn(jax.jit(timing.dense_mm), x, dense, reps=reps),
+    yield bench_harness.row("sparse24_matmul", (t, n, k),
+                     bench_harness.time_fn(fast, x, values, meta, reps=reps),
+                     bench_harness.time_fn(jax.jit(bench_harness.dense_mm), x, dense, reps=reps),
                      nbytes=nbytes, flops=2 * t * n * k,
                      note=f"use_pallas={should_use_pallas_matmul(t, n, k)}")
 
@@ -415,10 +415,10 @@ def _bench_matmul_bwd(shapes, dtype, interpret, reps):
     dy = jax.random.normal(jax.random.key(1), (t, n), dtype)
     fast = jax.jit(lambda x, v, dy: jax.vjp(
         lambda x, v: sparse24_matmul(x, v, meta, interpret=interpret), x, v)[1](dy))
-    ref = jax.jit(lambda x, w, dy: jax.vjp(timing.dense_mm, x, w)[1](dy))
-    yield timing.row("sparse24_matmul_bwd(dx,dvalues)", (t, n, k),
-                     timing.time_fn(fast, x, values, dy, reps=reps),
-                     timing.time_fn(ref, x, dense, dy, reps=reps), flops=4 * t * n * k,
+    ref = jax.jit(lambda x, w, dy: jax.vjp(bench_harness.dense_mm, x, w)[1](dy))
+    yield bench_harness.row("sparse24_matmul_bwd(dx,dvalues)", (t, n, k),
+                     bench_harness.time_fn(fast, x, values, dy, reps=reps),
+                     bench_harness.time_fn(ref, x, dense, dy, reps=reps), flops=4 * t * n * k,
                      note="xla: dense dx, dW")
 
 
@@ -426,6 +426,6 @@ BENCHMARKS = {"matmul": _bench_matmul, "matmul_bwd": _bench_matmul_bwd}
 
 
 if __name__ == "__main__":   # this family's rows of python -m s24jax.kernels.bench
-  raise SystemExit(timing.main(
+  raise SystemExit(bench_harness.main(
       BENCHMARKS, prog="python -m s24jax.kernels.compressed_matmul",
       description="Benchmark sparse24_matmul (forward; backward dx, dvalues) against XLA."))

@@ -7,7 +7,7 @@ activation and keeps f32 intermediates; the fused kernel reads each
 reads x and dY once and writes both halves of dX in the same program, so it
 is one read of 3 x [T, H] and one write of [T, 2H].
 
-Convention (the project's, `s24jax.activations.gated_act`, so the kernel is
+Convention (the project's, `s24jax.nn.activations.gated_act`, so the kernel is
 a drop-in for it): the *first* half of the last axis is the value, the second
 half is the gate (goes through the activation):
     value, gate = x[..., :H], x[..., H:]
@@ -32,7 +32,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from . import _common as c
-from . import timing
+from . import bench_harness
 
 ACTIVATIONS = ("geglu", "swiglu")
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -207,7 +207,7 @@ def gated_act_reference(x, kind: str = "geglu", *, approximate: bool = True):
 
 
 # ----------------------------------------------------------------------------
-# Benchmark rows (python -m s24jax.kernels.bench; kernels/timing.py).
+# Benchmark rows (python -m s24jax.kernels.bench; kernels/bench_harness.py).
 # ----------------------------------------------------------------------------
 def _bench_gated(shapes, dtype, interpret, reps):
   for t, d in shapes:
@@ -218,18 +218,18 @@ def _bench_gated(shapes, dtype, interpret, reps):
     for kind in ACTIVATIONS:
       fast = jax.jit(functools.partial(gated_act, kind=kind, interpret=interpret))
       ref = jax.jit(functools.partial(gated_act_reference, kind=kind))
-      yield timing.row(f"{kind}_fwd", (t, 2 * h), timing.time_fn(fast, x, reps=reps),
-                       timing.time_fn(ref, x, reps=reps), nbytes=3 * t * h * isz)
+      yield bench_harness.row(f"{kind}_fwd", (t, 2 * h), bench_harness.time_fn(fast, x, reps=reps),
+                       bench_harness.time_fn(ref, x, reps=reps), nbytes=3 * t * h * isz)
       fb = jax.jit(lambda x, dy, f=fast: jax.vjp(f, x)[1](dy)[0])
       rb = jax.jit(lambda x, dy, f=ref: jax.vjp(f, x)[1](dy)[0])
-      yield timing.row(f"{kind}_bwd", (t, 2 * h), timing.time_fn(fb, x, dy, reps=reps),
-                       timing.time_fn(rb, x, dy, reps=reps), nbytes=5 * t * h * isz)
+      yield bench_harness.row(f"{kind}_bwd", (t, 2 * h), bench_harness.time_fn(fb, x, dy, reps=reps),
+                       bench_harness.time_fn(rb, x, dy, reps=reps), nbytes=5 * t * h * isz)
 
 
 BENCHMARKS = {"gated": _bench_gated}
 
 
 if __name__ == "__main__":   # this family's rows of python -m s24jax.kernels.bench
-  raise SystemExit(timing.main(
+  raise SystemExit(bench_harness.main(
       BENCHMARKS, prog="python -m s24jax.kernels.gated_activation",
       description="Benchmark the fused GEGLU / SwiGLU (forward, backward) against XLA."))

@@ -50,7 +50,7 @@ def _stack_last(parts: list[jax.Array]) -> jax.Array:
 
   Why: XLA:GPU fuses a stack (a concatenate) poorly and, in front of a compression that reads
   the members back, wrote the stacked array out; pads are elementwise, so the members' math
-  fuses into whatever consumes the result (kernels/cusparselt/traffic.py)."""
+  fuses into whatever consumes the result (s24jax/perf/compression_traffic.py)."""
   dtype = parts[0].dtype
   as_bits = jnp.issubdtype(dtype, jnp.floating)
   bits = jnp.dtype(f"uint{8 * jnp.dtype(dtype).itemsize}") if as_bits else dtype

@@ -43,7 +43,7 @@ from jax.experimental import pallas as pl
 
 from . import _common as c
 from . import masks
-from . import timing
+from . import bench_harness
 
 
 
@@ -208,7 +208,7 @@ def mvue24_dense_reference(x: jax.Array, seed):
 
 
 # ----------------------------------------------------------------------------
-# Benchmark rows (python -m s24jax.kernels.bench; kernels/timing.py).
+# Benchmark rows (python -m s24jax.kernels.bench; kernels/bench_harness.py).
 # ----------------------------------------------------------------------------
 def _bench_mvue24(shapes, dtype, interpret, reps):
   for rows, tokens in shapes:
@@ -216,14 +216,14 @@ def _bench_mvue24(shapes, dtype, interpret, reps):
     fast = jax.jit(functools.partial(mvue24_compress, interpret=interpret))
     ref = jax.jit(mvue24_reference)
     nbytes = x.size * x.dtype.itemsize * 1.5 + x.size // 8
-    yield timing.row("mvue24", (rows, tokens), timing.time_fn(fast, x, 3, reps=reps),
-                     timing.time_fn(ref, x, 3, reps=reps), nbytes=nbytes)
+    yield bench_harness.row("mvue24", (rows, tokens), bench_harness.time_fn(fast, x, 3, reps=reps),
+                     bench_harness.time_fn(ref, x, 3, reps=reps), nbytes=nbytes)
 
 
 BENCHMARKS = {"mvue24": _bench_mvue24}
 
 
 if __name__ == "__main__":   # this family's rows of python -m s24jax.kernels.bench
-  raise SystemExit(timing.main(
+  raise SystemExit(bench_harness.main(
       BENCHMARKS, prog="python -m s24jax.kernels.mvue24",
       description="Benchmark mvue24_compress against XLA."))

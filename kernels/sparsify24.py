@@ -34,7 +34,7 @@ from jax.experimental import pallas as pl
 
 from . import _common as c
 from . import masks
-from . import timing
+from . import bench_harness
 
 MODES = ("hard", "mask", "soft")
 
@@ -214,7 +214,7 @@ def soft_compress24_reference(w: jax.Array, beta=1.0):
 
 
 # ----------------------------------------------------------------------------
-# Benchmark rows (python -m s24jax.kernels.bench; kernels/timing.py).
+# Benchmark rows (python -m s24jax.kernels.bench; kernels/bench_harness.py).
 # ----------------------------------------------------------------------------
 def _bench_sparsify24(shapes, dtype, interpret, reps):
   for n, k in shapes:
@@ -226,14 +226,14 @@ def _bench_sparsify24(shapes, dtype, interpret, reps):
         ("sparsify24_soft",
          functools.partial(soft_compress24, beta=0.9, interpret=interpret),
          jax.jit(functools.partial(soft_compress24_reference, beta=0.9)))]:
-      yield timing.row(name, (n, k), timing.time_fn(fast, w, reps=reps),
-                       timing.time_fn(ref, w, reps=reps), nbytes=nbytes)
+      yield bench_harness.row(name, (n, k), bench_harness.time_fn(fast, w, reps=reps),
+                       bench_harness.time_fn(ref, w, reps=reps), nbytes=nbytes)
 
 
 BENCHMARKS = {"sparsify24": _bench_sparsify24}
 
 
 if __name__ == "__main__":   # this family's rows of python -m s24jax.kernels.bench
-  raise SystemExit(timing.main(
+  raise SystemExit(bench_harness.main(
       BENCHMARKS, prog="python -m s24jax.kernels.sparsify24",
       description="Benchmark compress24 / soft_compress24 against XLA."))

@@ -51,7 +51,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from . import _common as c
-from . import timing
+from . import bench_harness
 from .compressed_matmul import bench_operands
 from .mvue24 import mvue24_compress
 
@@ -365,7 +365,7 @@ def reference(a_values, a_meta, b, out_dtype=None) -> jax.Array:
 
 
 # ---------------------------------------------------------------------------------------------
-# Benchmark rows (python -m s24jax.kernels.bench --only tcgen05; kernels/timing.py)
+# Benchmark rows (python -m s24jax.kernels.bench --only tcgen05; kernels/bench_harness.py)
 
 
 def _bench_tcgen05(shapes, dtype, interpret, reps):
@@ -380,9 +380,9 @@ def _bench_tcgen05(shapes, dtype, interpret, reps):
   for t, n, k in shapes:
     x, values, meta, dense = bench_operands(t, n, k, dtype)
     fwd = jax.jit(forward)
-    yield timing.row("tcgen05_forward", (t, n, k),
-                     timing.time_fn(fwd, x, values, meta, reps=reps),
-                     timing.time_fn(jax.jit(timing.dense_mm), x, dense, reps=reps),
+    yield bench_harness.row("tcgen05_forward", (t, n, k),
+                     bench_harness.time_fn(fwd, x, values, meta, reps=reps),
+                     bench_harness.time_fn(jax.jit(bench_harness.dense_mm), x, dense, reps=reps),
                      flops=2 * t * n * k, note="xla: dense x @ W~^T")
 
 
@@ -395,6 +395,6 @@ __all__ = ["NotBlackwellError", "Tcgen05Config", "check_device", "data_grad", "f
 
 
 if __name__ == "__main__":   # this family's rows of python -m s24jax.kernels.bench
-  raise SystemExit(timing.main(
+  raise SystemExit(bench_harness.main(
       BENCHMARKS, prog="python -m s24jax.kernels.tcgen05",
       description="Benchmark the tcgen05 2:4 GEMM (Blackwell only) against XLA."))

@@ -42,7 +42,7 @@ from jax.experimental import pallas as pl
 from . import _common as c
 from .sparsify24 import compress24_reference
 from . import masks
-from . import timing
+from . import bench_harness
 
 # [90, 16] 0/1 matrix, entry 4r + c set when pattern p keeps (r, c); the
 # pattern order (it decides ties) is the reference's.
@@ -229,7 +229,7 @@ def transposable_compressed_reference(w: jax.Array):
 
 
 # ----------------------------------------------------------------------------
-# Benchmark rows (python -m s24jax.kernels.bench; kernels/timing.py).
+# Benchmark rows (python -m s24jax.kernels.bench; kernels/bench_harness.py).
 # ----------------------------------------------------------------------------
 def _bench_transposable(shapes, dtype, interpret, reps):
   for n, k in shapes:
@@ -240,9 +240,9 @@ def _bench_transposable(shapes, dtype, interpret, reps):
       ref = jax.jit(transposable_compressed_reference if wc
                     else transposable_mask_reference)
       out_bytes = w.size * (1 + (2 * w.dtype.itemsize * 0.5 + 0.25 if wc else 0))
-      yield timing.row("transposable" + ("+compress" if wc else ""), (n, k),
-                       timing.time_fn(fast, w, reps=reps),
-                       timing.time_fn(ref, w, reps=reps),
+      yield bench_harness.row("transposable" + ("+compress" if wc else ""), (n, k),
+                       bench_harness.time_fn(fast, w, reps=reps),
+                       bench_harness.time_fn(ref, w, reps=reps),
                        nbytes=w.size * w.dtype.itemsize + out_bytes)
 
 
@@ -250,6 +250,6 @@ BENCHMARKS = {"transposable": _bench_transposable}
 
 
 if __name__ == "__main__":   # this family's rows of python -m s24jax.kernels.bench
-  raise SystemExit(timing.main(
+  raise SystemExit(bench_harness.main(
       BENCHMARKS, prog="python -m s24jax.kernels.transposable_mask",
       description="Benchmark transposable_mask24 against XLA."))

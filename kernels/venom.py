@@ -44,7 +44,7 @@ from jax.experimental import pallas as pl
 from . import _common as c
 from .sparsify24 import compress24_reference
 from . import masks
-from . import timing
+from . import bench_harness
 
 
 def column_subsets(m: int) -> tuple[tuple[int, int, int, int], ...]:
@@ -293,7 +293,7 @@ def venom_matmul_reference(values, meta, cols, w2, *, v: int, m: int):
 
 
 # ----------------------------------------------------------------------------
-# Benchmark rows (python -m s24jax.kernels.bench; kernels/timing.py).
+# Benchmark rows (python -m s24jax.kernels.bench; kernels/bench_harness.py).
 # ----------------------------------------------------------------------------
 def _bench_venom(shapes, dtype, interpret, reps, v=16, m=8):
   for t, d in shapes:
@@ -303,16 +303,16 @@ def _bench_venom(shapes, dtype, interpret, reps, v=16, m=8):
     w2 = jax.random.normal(kw, (d, h), dtype)
     comp = jax.jit(functools.partial(venom_compress, v=v, m=m, interpret=interpret))
     comp_ref = jax.jit(functools.partial(venom_reference, v=v, m=m))
-    yield timing.row(f"venom_compress({v}:2:{m})", (t, h),
-                     timing.time_fn(comp, x, reps=reps),
-                     timing.time_fn(comp_ref, x, reps=reps),
+    yield bench_harness.row(f"venom_compress({v}:2:{m})", (t, h),
+                     bench_harness.time_fn(comp, x, reps=reps),
+                     bench_harness.time_fn(comp_ref, x, reps=reps),
                      nbytes=x.size * x.dtype.itemsize * (1 + 2 / m))
     got = comp(x)
     xs = venom_decompress(*got, v, m)
     mm = jax.jit(functools.partial(venom_matmul, v=v, m=m, interpret=interpret))
-    yield timing.row(f"venom_matmul({v}:2:{m})", (t, d, h),
-                     timing.time_fn(mm, *got, w2, reps=reps),
-                     timing.time_fn(jax.jit(timing.dense_mm), xs, w2, reps=reps),
+    yield bench_harness.row(f"venom_matmul({v}:2:{m})", (t, d, h),
+                     bench_harness.time_fn(mm, *got, w2, reps=reps),
+                     bench_harness.time_fn(jax.jit(bench_harness.dense_mm), xs, w2, reps=reps),
                      flops=2 * t * d * h, note="TFLOPs dense-equivalent")
 
 
@@ -320,6 +320,6 @@ BENCHMARKS = {"venom": _bench_venom}
 
 
 if __name__ == "__main__":   # this family's rows of python -m s24jax.kernels.bench
-  raise SystemExit(timing.main(
+  raise SystemExit(bench_harness.main(
       BENCHMARKS, prog="python -m s24jax.kernels.venom",
       description="Benchmark venom_compress / venom_matmul against XLA."))

@@ -1,7 +1,7 @@
 """Periodic chores of the training loop, and the clock that keeps them out of tokens/s.
 
 A `Chore` is a function of a `Context` (what the loop shows a chore: the step's `StepInfo`,
-the state, the last log, a metrics writer; s24jax/loop.py's `Run` is one) with a schedule:
+the state, the last log, a metrics writer; s24jax/training/loop.py's `Run` is one) with a schedule:
 after the train step of every `every`-th step (and the last), or before a step (it then sees
 the state before the update and the step's batch), or whenever `due(info)` says. The loop
 runs the due ones in order; every periodic action (log, eval, checkpoint, a method's chores)
@@ -22,7 +22,8 @@ from typing import Any, Callable, Mapping, Protocol
 
 import jax
 
-from s24jax.step_info import StepInfo, itstime
+from s24jax.step_info import StepInfo
+from s24jax.step_info import itstime
 
 
 class Context(Protocol):

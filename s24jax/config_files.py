@@ -5,8 +5,8 @@
                                       args=["total_steps=100", "sparsity.mvue=False"])
 
 A config file defines `get_config(variant=None)`; `FILE.py:VARIANT` passes VARIANT (no colon:
-None). launch.py (`--config.path.to.field=value`), `python -m s24jax.flops CONFIG
-path.to.field=value ...` and `python -m s24jax.plan --set path.to.field=value` all go through
+None). launch.py (`--config.path.to.field=value`), `python -m s24jax.cli.flops CONFIG
+path.to.field=value ...` and `python -m s24jax.perf.plan --set path.to.field=value` all go through
 `parse_overrides`, so a value means the same everywhere:
 
 - the text is read as a Python literal (`ast.literal_eval`: 3, 1e-4, True, None, tuples such as

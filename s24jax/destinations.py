@@ -1,6 +1,6 @@
 """Where a command writes: every destination checked before any work, every failed write one line.
 
-The rule every command follows (launch.py and the loop, `python -m s24jax.evaluate`, `.export`,
+The rule every command follows (launch.py and the loop, `python -m s24jax.cli.evaluate`, `.export`,
 `.plan`, the token cache): before the work starts, each place it will write is checked
 (`check_folder`, `check_file`, `check_apart`): a folder that exists or can be created, that this
 process can write (a small file created and removed there: it finds a read-only filesystem, a

@@ -1,7 +1,7 @@
 """Errors whose message says everything, and the exit codes of every s24jax command.
 
 A `KnownError` stops a command with one line (its message) and its `exit_code`, no traceback:
-the command lines (launch.py, `python -m s24jax.flops`, `python -m s24jax.plan`) catch it and
+the command lines (launch.py, `python -m s24jax.cli.flops`, `python -m s24jax.perf.plan`) catch it and
 print it. Anything else is an internal error: its traceback is printed (and, for a run, written
 to train.log too) and the command exits with `EXIT_CRASH`, Python's own code for an uncaught
 exception.

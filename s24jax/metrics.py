@@ -257,7 +257,7 @@ def plot(jsonl_path: str, png_path: str, *, title: str = "") -> str:
 
 def _plot_activation_sparsity(ax, records, layers) -> None:
   """Per layer: exact-zero fraction (solid) and V:N:M kept L1 share (dashed) of the FFN
-  activations (s24jax/act_sparsity.py)."""
+  activations (s24jax/nn/act_sparsity.py)."""
   for i, layer in enumerate(layers):
     color = f"C{i % 10}"
     s, v = series(records, f"act/zero_frac/{layer}")

@@ -39,7 +39,7 @@ def get_path(tree: Any, path: tuple[str, ...]) -> Any:
 
 
 # The LM head's module name per model family: GPT-2's tied token embedding 'wte'
-# (s24jax/sparse_linear.py: SparseEmbed), Llama's untied 'lm_head' (SparseHead). Naming it in
+# (s24jax/nn/sparse_linear.py: SparseEmbed), Llama's untied 'lm_head' (SparseHead). Naming it in
 # `sparsity.sparse_layers` makes the head a sparse layer.
 HEADS = {"gpt2": "wte", "llama": "lm_head"}
 HEAD = HEADS["gpt2"]

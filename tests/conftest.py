@@ -39,12 +39,12 @@ def data_cache(tmp_path_factory):
 @pytest.fixture(scope="session")
 def undisturbed(tmp_path_factory, data_cache):
   """The workdir of `train_helpers.run_config` trained without interruption, the reference of
-  the resume tests (tests/test_checkpoint.py, tests/test_launch.py). One run for the whole
+  the resume tests (tests/training/test_checkpoint.py, tests/cli/test_launch.py). One run for the whole
   session: under pytest-xdist the workers share it (the first that needs it trains it under a
   file lock; the others wait, then read it). Tests only read it (one that must change it works
   on a copy): a change to it is an error at the end of the session."""
   import train_helpers  # pylint: disable=g-import-not-at-top (tests/ is on sys.path from here)
-  from s24jax import loop  # pylint: disable=g-import-not-at-top
+  from s24jax.training import loop  # pylint: disable=g-import-not-at-top
 
   root = tmp_path_factory.getbasetemp()
   if os.environ.get("PYTEST_XDIST_WORKER"):

@@ -1,4 +1,4 @@
-"""Faults of the places a command writes, for the write-path tests (tests/test_write_paths.py,
+"""Faults of the places a command writes, for the write-path tests (tests/cli/test_write_paths.py,
 test_destinations.py, test_workdir.py, test_metrics.py, data/test_cache.py, ...): a folder
 on a read-only filesystem, a full disk, and the snapshot of a tree (every file's sha256,
 every folder) to compare before and after.

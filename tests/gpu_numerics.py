@@ -8,7 +8,7 @@ are invisible on the CPU the suite normally runs on:
   * XLA runs float32 dots in TF32 unless the dot's precision (or
     `jax.default_matmul_precision`) says otherwise: each operand keeps 10 of its 23 mantissa
     bits (relative rounding error up to 2^-11), the products are accumulated in float32.
-  * `model.dtype='auto'` is bfloat16 (s24jax.layers.compute_dtype), float32 on a CPU.
+  * `model.dtype='auto'` is bfloat16 (s24jax.nn.layers.compute_dtype), float32 on a CPU.
 
 With the variable set, conftest.py installs both here: every dot_general whose precision is
 DEFAULT gets its float32 operands rounded to TF32 (lax.reduce_precision, round to nearest
@@ -52,7 +52,9 @@ def _is_default(precision) -> bool:
 def install() -> None:
   """TF32 for DEFAULT-precision float32 dots, bfloat16 for model.dtype='auto'."""
   from jax._src.lax import lax as lax_internal  # pylint: disable=g-import-not-at-top
-  from s24jax import layers, llama, model  # pylint: disable=g-import-not-at-top
+  from s24jax.nn import layers
+  from s24jax.nn import llama
+  from s24jax.nn import model  # pylint: disable=g-import-not-at-top
 
   primitive = lax_internal.dot_general_p
   bind = primitive.bind

@@ -1,4 +1,4 @@
-"""Helpers of the export and evaluation tests (tests/test_export.py, tests/test_evaluate.py):
+"""Helpers of the export and evaluation tests (tests/cli/test_export.py, tests/cli/test_evaluate.py):
 a tiny run's state with every parameter perturbed (so biases, norms and scales all matter),
 and the independent reference, the exported model run by `transformers` in torch (CPU) with
 a plain, unbatched loop."""
@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from s24jax.run_spec import RunSpec
+from s24jax.training.run_spec import RunSpec
 
 from tiny import tiny_config
 

@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import pytest
 
 from s24jax import chores as chores_lib
-from s24jax.step_info import StepInfo, itstime
+from s24jax.step_info import StepInfo
+from s24jax.step_info import itstime
 
 
 def test_itstime():

@@ -1,21 +1,22 @@
 """Tests for s24jax/errors.py: the user-error type (one line, a ValueError, `user_errors`
 converting only what it is told to), the exit codes (distinct, carried by the error classes,
-and every one in the README's table), and the command lines `python -m s24jax.flops` and
-`python -m s24jax.plan` printing a user error as one line with exit code 2 (the planner's
+and every one in the README's table), and the command lines `python -m s24jax.cli.flops` and
+`python -m s24jax.perf.plan` printing a user error as one line with exit code 2 (the planner's
 argument errors before the compile plugin is looked for; a config file that cannot run),
-called in process. launch.py's own: tests/test_launch.py; every command's write paths:
-tests/test_write_paths.py."""
+called in process. launch.py's own: tests/cli/test_launch.py; every command's write paths:
+tests/cli/test_write_paths.py."""
 import os
 import re
 
 import pytest
 
-from s24jax import checkpoint as ckpt_lib
+from s24jax.training import checkpoint as ckpt_lib
 from s24jax import errors
-from s24jax import flops
-from s24jax import loop
-from s24jax import plan
-from s24jax import workdir as workdir_lib
+from s24jax.cli import command
+from s24jax.cli import flops as flops_cli
+from s24jax.training import loop
+from s24jax.perf import plan
+from s24jax.training import workdir as workdir_lib
 from s24jax.kernels import aot
 
 
@@ -50,9 +51,9 @@ def test_exit_codes_are_distinct_and_the_readme_table_lists_each():
   listed = {int(n) for cell in rows.values()
             for n in re.findall(r"(?:^|; |, )(\d+)", cell.strip())}
   assert listed == set(CODES.values()), (listed, CODES)
-  for command in ("launch.py", "s24jax.plan", "s24jax.flops", "s24jax.gpu_report"):
-    assert any(command in name for name in rows), command
-  assert "6 it compiles but does not fit" in rows["`python -m s24jax.plan`"]
+  for name_ in ("launch.py", "s24jax.perf.plan", "s24jax.cli.flops", "s24jax.perf.gpu_report"):
+    assert any(name_ in name for name in rows), name_
+  assert "6 it compiles but does not fit" in rows["`python -m s24jax.perf.plan`"]
   # The codes of the classes that carry them.
   assert loop.NonFiniteError("x").exit_code == errors.EXIT_NON_FINITE
   assert ckpt_lib.NoReadableCheckpointError("x").exit_code == errors.EXIT_STORAGE
@@ -62,7 +63,7 @@ def test_exit_codes_are_distinct_and_the_readme_table_lists_each():
 
 def test_flops_and_plan_name_the_bad_argument_in_one_line(capsys, monkeypatch, tmp_path):
   no_get_config = tmp_path / "no_get_config.py"
-  no_get_config.write_text("from s24jax.config import base_config\n")
+  no_get_config.write_text("from s24jax.training.config import base_config\n")
   crash = tmp_path / "crash.py"
   crash.write_text("def get_config(variant=None):\n  return {}['model']\n")
   for argv, named in ((["flops", "experiments/nope.py"], "config file 'experiments/nope.py'"),
@@ -72,9 +73,8 @@ def test_flops_and_plan_name_the_bad_argument_in_one_line(capsys, monkeypatch, t
                        "did you mean model.d_model"),
                       (["flops", str(no_get_config)], f"{no_get_config} defines no get_config"),
                       (["flops", str(crash)], f"raised KeyError: 'model' (at {crash}:2)")):
-    with pytest.raises(SystemExit) as e:
-      flops._main(argv)   # pylint: disable=protected-access
-    assert e.value.code == errors.EXIT_USER
+    code = command.run(flops_cli.main, argv[1:], name="s24jax.cli.flops")
+    assert code == errors.EXIT_USER
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and named in err and "Traceback" not in err, err
 
@@ -91,4 +91,4 @@ def test_flops_and_plan_name_the_bad_argument_in_one_line(capsys, monkeypatch, t
   for argv, named in cases:
     assert plan.main(argv) == errors.EXIT_USER
     err = capsys.readouterr().err
-    assert err.startswith("s24jax.plan: ") and named in err and err.count("\n") == 1, err
+    assert err.startswith("s24jax.perf.plan: ") and named in err and err.count("\n") == 1, err

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from s24jax import config_files
-from s24jax import config as config_lib
+from s24jax.training import config as config_lib
 from s24jax.methods import registry
-from s24jax.model import GPT2
-from s24jax.run_spec import RunSpec
+from s24jax.nn.model import GPT2
+from s24jax.training.run_spec import RunSpec
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FILES = sorted(glob.glob(os.path.join(REPO, "experiments", "gpt2_*.py")))

@@ -11,8 +11,10 @@ Checked:
     modules with the line of each import;
   * kernels/ imports no s24jax module outside s24jax.kernels (it is installable and testable
     without the training library);
-  * no library module imports a tool (the command-line modules in TOOLS; a tool that is a
-    package, s24jax.gpu_report, with its modules);
+  * the layers import only downwards (LAYERS: the foundation, then data/ and sparse_ops/,
+    methods/, nn/, training/, and above the library cli/ and perf/); no library module
+    imports a command or a tool (TOOLS: s24jax.cli, s24jax.perf, the kernel benchmarks' and
+    compile check's commands, launch.py);
   * the restructured modules are where they belong: s24jax/sparse_ops/ is a package with one
     file per backend (never again the single s24jax/sparse_ops.py), reached by the rest of
     the library only through the package (`get_backend`); chores.py, step_info.py and
@@ -38,9 +40,14 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # Source folder -> the package it is installed as (pyproject.toml's package-dir).
 PACKAGE_DIRS = {"s24jax": "s24jax", "kernels": "s24jax.kernels"}
 KERNELS = "s24jax.kernels"
-# Command-line tools: modules that may import the library, never the other way round.
-TOOLS = ("s24jax.plan", "s24jax.compare", "s24jax.gpu_report", "s24jax.kernels.bench",
-         "s24jax.kernels.compile_check", "s24jax.step_model", "launch")
+# Commands and tools: modules that may import the library, never the other way round.
+TOOLS = ("s24jax.cli", "s24jax.perf", "s24jax.kernels.bench", "s24jax.kernels.compile_check",
+         "launch")
+# The library's layers, lowest first: a module imports only from its own layer and those
+# below it (a package listed is its modules; anything of s24jax not listed is the
+# foundation, layer 0; s24jax.kernels imports nothing of the rest and is below everything).
+LAYERS = (("s24jax.data", "s24jax.sparse_ops"), ("s24jax.methods",), ("s24jax.nn",),
+          ("s24jax.training",), ("s24jax.cli",), ("s24jax.perf", "launch"))
 EXTRA_MODULES = {"launch": "launch.py"}   # tools outside the package (scanned, and a target)
 SPARSE_OPS = "s24jax.sparse_ops"
 # One file per backend of the sparse linear op (s24jax/sparse_ops/<name>.py), and the shared
@@ -48,9 +55,11 @@ SPARSE_OPS = "s24jax.sparse_ops"
 SPARSE_OPS_BACKENDS = ("xla", "pallas", "tcgen05", "cusparselt")
 SPARSE_OPS_SHARED = ("backend", "common", "options")
 # Modules of the restructuring that must exist, and the ones they replaced.
-REQUIRED_MODULES = ("s24jax.chores", "s24jax.step_info", "s24jax.run_spec", SPARSE_OPS,
+REQUIRED_MODULES = ("s24jax.chores", "s24jax.step_info", "s24jax.training.run_spec", SPARSE_OPS,
+                    "s24jax.nn", "s24jax.training", "s24jax.cli", "s24jax.perf",
                     *(f"{SPARSE_OPS}.{m}" for m in SPARSE_OPS_BACKENDS + SPARSE_OPS_SHARED))
-RETIRED_MODULES = ("s24jax.hooks",)
+RETIRED_MODULES = ("s24jax.hooks", "s24jax.loop", "s24jax.model", "s24jax.plan",
+                   "s24jax.gpu_report", "s24jax.step_model", "s24jax.export")
 MAX_LINES = 400
 
 
@@ -291,6 +300,33 @@ def test_the_scan_sees_function_local_relative_cycles(tmp_path):
 # ----------------------------------------------------------------------------------------------
 
 
+def layer(mod: str) -> int:
+  """The layer of a module (LAYERS); the foundation is 0, s24jax.kernels -1."""
+  if _in(mod, KERNELS):
+    return -1
+  for i, names in enumerate(LAYERS, start=1):
+    if any(_in(mod, n) for n in names):
+      return i
+  return 0
+
+
+def test_layers_import_only_downwards(graph):
+  mods, edges = graph
+  bad = [f"{a} (layer {layer(a)}, {os.path.relpath(mods[a], ROOT)}:{line}) imports {b} "
+         f"(layer {layer(b)})"
+         for a in sorted(edges) for b, line in sorted(edges[a].items())
+         if b in mods and layer(b) > layer(a)]
+  assert not bad, "an import climbs back up a layer:\n  " + "\n  ".join(bad)
+
+
+def test_the_layer_rule_sees_a_planted_climb():
+  planted = {"s24jax.nn.model": {"s24jax.training.loop": 3}}
+  assert layer("s24jax.nn.model") < layer("s24jax.training.loop")
+  assert layer("s24jax.errors") == 0 and layer("s24jax.kernels.masks") == -1
+  assert layer("launch") == layer("s24jax.perf.plan") > layer("s24jax.cli.export")
+  assert [(a, b) for a in planted for b in planted[a] if layer(b) > layer(a)]
+
+
 def test_restructured_modules_exist_and_retired_ones_are_gone(graph):
   mods, _ = graph
   assert [m for m in REQUIRED_MODULES if m not in mods] == [], sorted(mods)
@@ -309,7 +345,7 @@ def test_sparse_ops_is_a_package_with_one_file_per_backend(graph):
     # The package registers every backend: its __init__ imports each backend's file.
     assert f"{SPARSE_OPS}.{name}" in edges[SPARSE_OPS], (name, sorted(edges[SPARSE_OPS]))
   backends = {f"{SPARSE_OPS}.{name}" for name in SPARSE_OPS_BACKENDS}
-  # (A tool may reach into a backend: s24jax.gpu_report times cuSPARSELt's GEMMs one by one.)
+  # (A tool may reach into a backend: s24jax.perf.gpu_report times cuSPARSELt's GEMMs one by one.)
   bad = [f"{a} ({os.path.relpath(mods[a], ROOT)}:{line}) imports {b}"
          for a in sorted(edges) if not _in(a, SPARSE_OPS) and not _is_tool(a)
          for b, line in sorted(edges[a].items()) if b in backends]

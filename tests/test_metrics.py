@@ -12,7 +12,7 @@ import os
 import pytest
 
 from s24jax import metrics as metrics_lib
-from s24jax import workdir as workdir_lib
+from s24jax.training import workdir as workdir_lib
 
 from faults import Faults, snapshot
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from s24jax import config_files
-from s24jax.config import apply_variant, base_config
+from s24jax.training.config import apply_variant
+from s24jax.training.config import base_config
 
 
 def tiny_config(method: str = "s_ste", *, steps: int = 6, workdir_cache: str | None = None,

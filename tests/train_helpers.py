@@ -10,8 +10,8 @@ import os
 import jax.numpy as jnp
 import numpy as np
 
-from s24jax import model as model_lib
-from s24jax.run_spec import RunSpec
+from s24jax.nn import model as model_lib
+from s24jax.training.run_spec import RunSpec
 
 from tiny import tiny_config
 

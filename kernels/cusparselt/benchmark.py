@@ -3,7 +3,7 @@ sparse linear op's three GEMMs through cuSPARSELt (compression included, and wit
 the weight GEMMs, whose compression happens once per forward) against the dense cuBLAS GEMM
 XLA runs for the same product, at GPT-2's FFN shapes, in bf16 (the layouts the sparse op uses
 for 16-bit types: TN, NN, TT with a row-major D; kernels/cusparselt/rules.py). The FP8 GEMMs and
-their accuracy against 'xla': `python -m s24jax.gpu_report`. GPU only (A100 / H100); never run
+their accuracy against 'xla': `python -m s24jax.perf.gpu_report`. GPU only (A100 / H100); never run
 here.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import masks
-from .. import timing
+from .. import bench_harness
 from . import ops
 
 # (name, GEMM of (t, n, k) with x (t, k), W~ (n, k), dY (t, n), which array is sparse,
@@ -55,12 +55,12 @@ def _rows(shapes, dtype, interpret, reps):
       spmm = jax.jit(lambda c, b: ops.spmm(c, b, g, a_dtype=dtype, out_dtype=dtype))
       both = jax.jit(lambda a, b: ops.spmm(ops.compress(a, g, b_dtype=dtype, d_dtype=dtype),
                                            b, g, a_dtype=dtype, out_dtype=dtype))
-      t_dense = timing.time_fn(jax.jit(dense), x, w, dy, reps=reps)
+      t_dense = bench_harness.time_fn(jax.jit(dense), x, w, dy, reps=reps)
       c = compress(a)
-      yield timing.row(f"cusparselt {name}", (t, n, k), timing.time_fn(spmm, c, b, reps=reps),
+      yield bench_harness.row(f"cusparselt {name}", (t, n, k), bench_harness.time_fn(spmm, c, b, reps=reps),
                        t_dense, flops=2 * t * n * k, note="compressed operand reused")
-      yield timing.row(f"cusparselt {name} +compress", (t, n, k),
-                       timing.time_fn(both, a, b, reps=reps), t_dense, flops=2 * t * n * k,
+      yield bench_harness.row(f"cusparselt {name} +compress", (t, n, k),
+                       bench_harness.time_fn(both, a, b, reps=reps), t_dense, flops=2 * t * n * k,
                        note="compression in every call")
 
 

@@ -259,7 +259,7 @@ def compress(op_a: jax.Array, lay: Layout) -> jax.Array:
   """op(A) (m, k), 2:4 along k, as cuSPARSELt's compressed buffer in `lay`: uint8
   (compressed_bytes(m, k, itemsize),). Pure jnp: XLA fuses it with whatever produced op(A).
 
-  Written for XLA:GPU's fusion (deviceless H100 compiles, kernels/cusparselt/traffic.py; not
+  Written for XLA:GPU's fusion (deviceless H100 compiles, s24jax/perf/compression_traffic.py; not
   measured on a GPU): the buffer is uint32 words, the values' and the metadata's, each word
   computed from the groups it holds with elementwise ops, and one concatenate of the two
   sections, bitcast to bytes at the end. So XLA can make one kernel of the projection and the

@@ -17,7 +17,7 @@ read as a damaged entry.
 
 `TokenData.fingerprint` identifies the tokens a run trains on (the splits' checksums; for
 token files, their paths, sizes and modification times): a resumed run compares it with the
-one its workdir recorded (s24jax/workdir.py) and says when the data changed.
+one its workdir recorded (s24jax/training/workdir.py) and says when the data changed.
 """
 
 from __future__ import annotations

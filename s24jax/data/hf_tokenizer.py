@@ -21,7 +21,7 @@ from typing import Any
 from s24jax import errors
 from s24jax.data import tokenizer
 
-# The file s24jax.export writes beside the weights: what they are, which tokenizer.
+# The file s24jax.cli.export writes beside the weights: what they are, which tokenizer.
 MARKER = "s24jax_export.json"
 
 

@@ -30,7 +30,7 @@ from absl import logging
 import ml_collections
 import tensorflow_datasets as tfds
 
-from s24jax import config as config_lib
+from s24jax.data import defaults
 from s24jax.data import columnar
 from s24jax.data import text_corpus
 from s24jax.data import token_files
@@ -44,8 +44,8 @@ FILE_SOURCES = (TOKEN_FILES, columnar.JSONL, columnar.PARQUET)
 
 
 def default_data_config() -> ml_collections.ConfigDict:
-  """`config.data` defaults (defined in s24jax/config.py, which imports no data pipeline)."""
-  return config_lib.data_config()
+  """`config.data` defaults (s24jax/data/defaults.py)."""
+  return defaults.data_config()
 
 
 def _field(cfg: Any, name: str) -> Any:

@@ -25,8 +25,8 @@ from etils import epath
 import tensorflow_datasets as tfds
 
 from s24jax import errors
-from s24jax.config import DEFAULT_VAL_FRACTION
-from s24jax.config import EMBEDDED_CORPUS as SHAKESPEARE
+from s24jax.data.defaults import DEFAULT_VAL_FRACTION
+from s24jax.data.defaults import EMBEDDED_CORPUS as SHAKESPEARE
 from s24jax.data import installed
 
 BUILDER_NAME = 's24jax_text_corpus'

@@ -45,9 +45,9 @@ optimizer, the loop's phases and the FLOP accounting look for them with isinstan
       SR-STE's masked decay; MST's gradient mask
   ModelPhases.model_at(step, model_cfg) -> ModelConfig
       a model that changes with the step (MST's sparse-attention window); dense fine-tuning
-      is not a method's business (s24jax/phases.py)
+      is not a method's business (s24jax/training/model_schedule.py)
   DynamicDensity.active_weights(step, shapes) -> (counts | None, dense weight gradient?)
-      weights that change in number (MST), for s24jax/flops.py
+      weights that change in number (MST), for s24jax/training/flops.py
 
 The default `update` is the plain hard-threshold 2:4 bookkeeping: `refresh` stores mask(W) of
 the updated weights and measures the flip rate against the stored mask.
@@ -61,7 +61,7 @@ import jax
 import jax.numpy as jnp
 
 from s24jax import chores as chores_lib
-from s24jax import flip_monitor
+from s24jax.methods import flip_monitor
 from s24jax import state as state_lib
 from s24jax.kernels import masks
 from s24jax.step_info import StepInfo
@@ -165,7 +165,7 @@ class Method:
 
   def chores(self, facts: RunFacts) -> list[chores_lib.Chore]:
     """Host-side chores. The base warns when the flip rate stays above
-    `sparsity.flip_rate_warn` for `flip_rate_warn_patience` logs (s24jax/flip_monitor.py),
+    `sparsity.flip_rate_warn` for `flip_rate_warn_patience` logs (s24jax/methods/flip_monitor.py),
     right after each log."""
     if not self.sparse or not facts.flip_rate_warn:
       return []
@@ -190,7 +190,7 @@ class Method:
 
 
 class OptimizerTransforms:
-  """A method that adds optax transforms to the optimizer (s24jax/optim.py):
+  """A method that adds optax transforms to the optimizer (s24jax/training/optim.py):
 
       clip <- 'raw' | -> 'gradients' -> Adam -> weight decay -> 'weights' -> lr
 
@@ -210,7 +210,7 @@ class ModelPhases:
 
 
 class DynamicDensity:
-  """A method whose number of active weights changes during the run (s24jax/flops.py)."""
+  """A method whose number of active weights changes during the run (s24jax/training/flops.py)."""
 
   def active_weights(self, step: int, shapes: Mapping[str, tuple[int, int]]
                      ) -> tuple[dict[str, int] | None, bool]:

@@ -1,5 +1,5 @@
 """dense: no sparsity, W~ = W. The baseline, and the twin a run switches to for dense
-fine-tuning (s24jax/phases.py switches a sparse method's model to this one then)."""
+fine-tuning (s24jax/training/model_schedule.py switches a sparse method's model to this one then)."""
 from __future__ import annotations
 
 import dataclasses

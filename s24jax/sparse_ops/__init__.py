@@ -49,7 +49,9 @@ from s24jax.sparse_ops import tcgen05
 from s24jax.sparse_ops import xla
 from s24jax.sparse_ops.backend import (Backend, available_backends, check, get_backend,
                                        register_backend)
-from s24jax.sparse_ops.options import FP8_BACKWARD_AUTO, FP8_BACKWARD_OPERANDS, GemmOptions
+from s24jax.sparse_ops.options import FP8_BACKWARD_AUTO
+from s24jax.sparse_ops.options import FP8_BACKWARD_OPERANDS
+from s24jax.sparse_ops.options import GemmOptions
 
 __all__ = ["Backend", "GemmOptions", "FP8_BACKWARD_AUTO", "FP8_BACKWARD_OPERANDS", "available_backends", "check",
            "gemm_choice", "gemm_times", "get_backend", "register_backend", "sparse_linear"]

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from s24jax import fp8 as fp8_lib
+from s24jax.sparse_ops import fp8 as fp8_lib
 from s24jax.kernels import masks
 from s24jax.sparse_ops.options import GemmOptions
 

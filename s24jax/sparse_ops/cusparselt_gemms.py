@@ -8,7 +8,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from s24jax import fp8 as fp8_lib
+from s24jax.sparse_ops import fp8 as fp8_lib
 from s24jax.kernels.cusparselt import algorithms
 from s24jax.kernels.cusparselt import compression
 from s24jax.kernels.cusparselt import ops as cusparselt

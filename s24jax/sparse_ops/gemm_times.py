@@ -329,7 +329,7 @@ _SPARSE_OPS = pathlib.Path(__file__).parent
 GEMM_CODE_FILES = (
     *(_KERNELS / f for f in ("cusparselt_ffi.cc", "scratch.h", "library.py", "ops.py",
                              "layout.py", "compression.py", "algorithms.py")),
-    *(_SPARSE_OPS / f for f in ("cusparselt.py", "cusparselt_gemms.py", "common.py")))
+    *(_SPARSE_OPS / f for f in ("cusparselt.py", "cusparselt_gemms.py", "common.py", "fp8.py")))
 
 
 def code_hash(paths) -> str:

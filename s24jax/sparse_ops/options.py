@@ -26,7 +26,7 @@ class GemmOptions:
   The backend-independent checks are here; what a backend cannot do, it refuses itself
   (`Backend.check`, called by `sparse_ops.check`)."""
   mvue: bool = False        # weight gradient from the MVUE 2:4 estimate of dY^T
-  fp8: bool = False         # FP8 GEMMs (s24jax/fp8.py): e4m3 x and W~, e5m2 dY
+  fp8: bool = False         # FP8 GEMMs (s24jax/sparse_ops/fp8.py): e4m3 x and W~, e5m2 dY
   # FP8 format of W~ and x in the two backward GEMMs (FP8_BACKWARD_OPERANDS).
   fp8_backward_operands: str = "e4m3"
   backend: str = "xla"      # the implementation (sparse_ops.available_backends())

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
-from s24jax import config as config_lib
-from s24jax import validate
+from s24jax.training import config as config_lib
+from s24jax.training import validate
 from s24jax.data import cache
 from s24jax.data import sources
 from s24jax.data import text_corpus

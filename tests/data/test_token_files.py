@@ -176,7 +176,7 @@ def test_load_tokens_maps_the_files(tmp_path):
 @pytest.mark.slow
 def test_trains_from_an_llmc_file(tmp_path):
   """The issue's check: an llm.c .bin written here, and a run trained from it."""
-  from s24jax import loop  # pylint: disable=g-import-not-at-top
+  from s24jax.training import loop  # pylint: disable=g-import-not-at-top
   from tiny import tiny_config  # pylint: disable=g-import-not-at-top
   text = (pathlib.Path(__file__).read_text() * 3).encode()
   ids = tokenizer.get_tokenizer().encode_ordinary(text.decode())

@@ -11,7 +11,9 @@ from s24jax.kernels import compressed_matmul
 from s24jax.kernels import _common as c
 from s24jax.kernels import compressed_matmul as sm
 from s24jax.kernels import sparsify24 as sp
-from s24jax.kernels._testing import MODES, assert_lowers_to_triton, np_decompress
+from s24jax.kernels._testing import MODES
+from s24jax.kernels._testing import assert_lowers_to_triton
+from s24jax.kernels._testing import np_decompress
 
 CFG = sm.Sparse24MatmulConfig()
 REF = jax.jit(sm.sparse24_matmul_reference)

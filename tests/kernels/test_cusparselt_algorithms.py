@@ -195,7 +195,8 @@ import json, re
 import jax, jax.numpy as jnp
 from s24jax.kernels import aot
 aot.start()
-from s24jax.kernels.cusparselt import algorithms, ops
+from s24jax.kernels.cusparselt import algorithms
+from s24jax.kernels.cusparselt import ops
 g = ops.Gemm(m=64, n=32, k=64, trans_a=True, trans_b=False)
 alg = algorithms.Algorithm(3, split_k=2, split_k_mode=1, split_k_buffers=4)
 def step(a, b):

@@ -10,7 +10,8 @@ import pytest
 
 from s24jax.kernels import gated_activation
 from s24jax.kernels import gated_activation as ga
-from s24jax.kernels._testing import MODES, assert_lowers_to_triton
+from s24jax.kernels._testing import MODES
+from s24jax.kernels._testing import assert_lowers_to_triton
 
 CFG = ga.GatedActConfig()
 VARIANTS = [("geglu", True), ("geglu", False), ("swiglu", True)]
@@ -60,8 +61,8 @@ def test_forward_and_grad(interpret, variant, shape):
 
 @pytest.mark.parametrize("interpret", MODES)
 def test_matches_project_activation_bf16(interpret):
-  """Drop-in for s24jax.activations.gated_act (h = [value | gate])."""
-  acts = pytest.importorskip("s24jax.activations")
+  """Drop-in for s24jax.nn.activations.gated_act (h = [value | gate])."""
+  acts = pytest.importorskip("s24jax.nn.activations")
   x = jax.random.normal(jax.random.key(2), (2, 8, 64), jnp.bfloat16)
   dy = jax.random.normal(jax.random.key(3), (2, 8, 32), jnp.bfloat16)
   for kind in ("geglu", "swiglu"):

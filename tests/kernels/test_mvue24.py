@@ -13,7 +13,8 @@ from s24jax.kernels import mvue24
 from s24jax.kernels import masks
 from s24jax.kernels import _common as c
 from s24jax.kernels import mvue24 as mv
-from s24jax.kernels._testing import MODES, assert_lowers_to_triton
+from s24jax.kernels._testing import MODES
+from s24jax.kernels._testing import assert_lowers_to_triton
 
 CFG = mv.Mvue24Config()
 REF = jax.jit(mv.mvue24_reference)

@@ -13,7 +13,9 @@ import pytest
 from s24jax.kernels import sparsify24
 from s24jax.kernels import _common as c
 from s24jax.kernels import sparsify24 as sp
-from s24jax.kernels._testing import MODES, assert_lowers_to_triton, np_pack_meta
+from s24jax.kernels._testing import MODES
+from s24jax.kernels._testing import assert_lowers_to_triton
+from s24jax.kernels._testing import np_pack_meta
 from s24jax.kernels.masks import nm_mask
 
 CFG = sp.Sparsify24Config()

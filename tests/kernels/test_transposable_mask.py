@@ -12,7 +12,8 @@ from s24jax.kernels import sparsify24
 from s24jax.kernels import transposable_mask
 from s24jax.kernels import _common as c
 from s24jax.kernels import transposable_mask as tm
-from s24jax.kernels._testing import MODES, assert_lowers_to_triton
+from s24jax.kernels._testing import MODES
+from s24jax.kernels._testing import assert_lowers_to_triton
 
 CFG = tm.TransposableMaskConfig()
 REF = jax.jit(tm.transposable_mask_reference)

@@ -10,7 +10,8 @@ import pytest
 from s24jax.kernels import venom
 from s24jax.kernels import _common as c
 from s24jax.kernels import venom as vn
-from s24jax.kernels._testing import MODES, assert_lowers_to_triton
+from s24jax.kernels._testing import MODES
+from s24jax.kernels._testing import assert_lowers_to_triton
 
 CFG = vn.VenomConfig()
 REF = jax.jit(vn.venom_reference, static_argnums=(1, 2))

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from s24jax.methods import registry
-from s24jax.model import GPT2
-from s24jax.run_spec import RunSpec
+from s24jax.nn.model import GPT2
+from s24jax.training.run_spec import RunSpec
 
 
 def np_mask24(w):

@@ -19,12 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from s24jax import model as model_lib
-from s24jax import train
+from s24jax.nn import model as model_lib
+from s24jax.training import train
 from s24jax.kernels import masks
 from s24jax.methods import base
 from s24jax.methods import registry
-from s24jax.run_spec import RunSpec
+from s24jax.training.run_spec import RunSpec
 
 from tiny import tiny_config
 
@@ -36,12 +36,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_the_step_and_the_loop_name_no_method():
   """No method, and no option of one, is named in the step or the loop. One exception: the
   name of the rng stream the step hands the model, 'mvue' (quoted: `rngs={"mvue": key}`),
-  which is the model's API (s24jax/sparse_linear.py draws the MVUE keys from it)."""
+  which is the model's API (s24jax/nn/sparse_linear.py draws the MVUE keys from it)."""
   pattern = re.compile(r"mst|decay_control|flip_monitor|act_sparsity|venom|t_sr_ste|s_ste|"
                        r"transposable|mvue")
   stream = re.compile(r"""(['"])mvue\1""")
   for name in ("train.py", "loop.py"):
-    with open(os.path.join(REPO, "s24jax", name)) as f:
+    with open(os.path.join(REPO, "s24jax", "training", name)) as f:
       hits = [(i, line) for i, line in enumerate(f, 1) if pattern.search(stream.sub("", line))]
     assert not hits, (name, hits)
 

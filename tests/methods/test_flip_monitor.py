@@ -1,4 +1,4 @@
-"""Tests for s24jax/flip_monitor.py (the flip-rate warning) and the chore through which the
+"""Tests for s24jax/methods/flip_monitor.py (the flip-rate warning) and the chore through which the
 base method runs it (s24jax/methods/base.py, `Method.chores`).
 
 References: the streak of consecutive high logs counted by hand for a fixed sequence of
@@ -11,7 +11,7 @@ import types
 
 import pytest
 
-from s24jax import flip_monitor
+from s24jax.methods import flip_monitor
 from s24jax.methods import base
 from s24jax.methods import registry
 from s24jax.step_info import StepInfo

@@ -25,13 +25,13 @@ import pytest
 import mst_reference as ref
 from tiny import tiny_config
 
-from s24jax import checkpoint as ckpt_lib
-from s24jax import flops
-from s24jax import losses
-from s24jax import model as model_lib
-from s24jax import optim
+from s24jax.training import checkpoint as ckpt_lib
+from s24jax.training import flops
+from s24jax.nn import losses
+from s24jax.nn import model as model_lib
+from s24jax.training import optim
 from s24jax import state as state_lib
-from s24jax import train
+from s24jax.training import train
 from s24jax.methods import base
 from s24jax.methods import registry
 from s24jax.methods.mst import counts as counts_lib
@@ -39,8 +39,9 @@ from s24jax.methods.mst import densities
 from s24jax.methods.mst import plot
 from s24jax.methods.mst import schedule
 from s24jax.methods.mst import topology
-from s24jax.methods.mst.method import MST, MSTState
-from s24jax.run_spec import RunSpec
+from s24jax.methods.mst.method import MST
+from s24jax.methods.mst.method import MSTState
+from s24jax.training.run_spec import RunSpec
 from s24jax.state import TrainState
 from s24jax.step_info import StepInfo
 
@@ -282,7 +283,7 @@ def test_schedule_plot(tmp_path):
 
 def _synthetic(weights: dict, masks: dict, m: MST, seed=0):
   """A TrainState of bare layers {name: {'kernel'}}, their masks and an empty plan, with the
-  optimizer the run builds around MST (s24jax/optim.py): its 'raw' gradient mask, then Adam
+  optimizer the run builds around MST (s24jax/training/optim.py): its 'raw' gradient mask, then Adam
   and an lr schedule."""
   params = {k: {"kernel": jnp.asarray(w, jnp.float32)} for k, w in weights.items()}
   sparsity = {k: {"mask": jnp.asarray(v)} for k, v in masks.items()}
@@ -309,7 +310,7 @@ def _with_plan(state: TrainState, m: MST,
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _step(m: MST, tx, state: TrainState, grads):
-  """What s24jax/train.py:train_step does with the step's raw gradients: the optimizer (MST's
+  """What s24jax/training/train.py:train_step does with the step's raw gradients: the optimizer (MST's
   gradient mask first) with the step's extra arguments, then method.update(before, after,
   raw grads, info) with the StepInfo of the step state.step (logged)."""
   updates, opt_state = tx.update(grads, state.opt_state, state.params, method=m,

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from s24jax import chores as chores_lib
-from s24jax import config as config_lib
-from s24jax import loop
+from s24jax.training import config as config_lib
+from s24jax.training import loop
 from s24jax import state as state_lib
 from s24jax.kernels import masks
 from s24jax.methods import base
@@ -96,8 +96,8 @@ def test_a_method_defined_in_a_test_trains_by_name(counting_method, tmp_path, da
   flips = [r["train/flip_rate"] for r in records if "train/flip_rate" in r]
   assert len(flips) == 4 and all(0 <= f <= 1 for f in flips)
   # n = 1 reached the forward pass: the stored masks keep exactly one of every 4.
-  from s24jax import checkpoint as ckpt_lib   # pylint: disable=g-import-not-at-top
-  from s24jax.run_spec import RunSpec   # pylint: disable=g-import-not-at-top
+  from s24jax.training import checkpoint as ckpt_lib   # pylint: disable=g-import-not-at-top
+  from s24jax.training.run_spec import RunSpec   # pylint: disable=g-import-not-at-top
   spec = RunSpec.build(cfg)
   assert spec.method.n == 1
   fresh = spec.fresh_state(0)

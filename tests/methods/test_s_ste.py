@@ -13,11 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from s24jax import checkpoint as ckpt_lib
-from s24jax import config as config_lib
-from s24jax import model as model_lib
+from s24jax.training import checkpoint as ckpt_lib
+from s24jax.training import config as config_lib
+from s24jax.nn import model as model_lib
 from s24jax import state as state_lib
-from s24jax import train
+from s24jax.training import train
 from s24jax.kernels import masks
 from s24jax.methods import registry
 from s24jax.methods import s_ste

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from s24jax import config_files
-from s24jax import train
+from s24jax.training import train
 from s24jax.kernels import masks
 from s24jax.methods import base
 from s24jax.methods import registry

@@ -16,11 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from s24jax import loop
+from s24jax.training import loop
 from s24jax import state as state_lib
-from s24jax import train
+from s24jax.training import train
 from s24jax.kernels import masks
-from s24jax.step_info import StepInfo, itstime
+from s24jax.step_info import StepInfo
+from s24jax.step_info import itstime
 
 from tiny import tiny_config
 

@@ -8,10 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from s24jax import sparse_ops
-from s24jax import train
+from s24jax.training import train
 from s24jax.kernels import masks
-from s24jax.model import GPT2
-from s24jax.run_spec import RunSpec
+from s24jax.nn.model import GPT2
+from s24jax.training.run_spec import RunSpec
 from s24jax.sparse_ops.options import GemmOptions
 
 # (tokens, out, in): one that fills whole kernel tiles, one the kernels must pad on every axis

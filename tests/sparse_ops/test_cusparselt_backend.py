@@ -21,15 +21,15 @@ import pytest
 from jax.extend import core as jax_core
 
 from s24jax import errors
-from s24jax import model as model_lib
+from s24jax.nn import model as model_lib
 from s24jax import sparse_ops
 from s24jax import state as state_lib
-from s24jax import train
+from s24jax.training import train
 from s24jax.kernels import masks
 from s24jax.kernels.cusparselt import compression
 from s24jax.kernels.cusparselt import library
 from s24jax.kernels.cusparselt import ops as cusparselt
-from s24jax.run_spec import RunSpec
+from s24jax.training.run_spec import RunSpec
 from s24jax.sparse_ops.options import GemmOptions
 
 from tiny import tiny_config
@@ -153,7 +153,7 @@ def test_what_the_library_refuses_is_refused_naming_the_rule():
   """The configurations cuSPARSELt refuses stop before a step runs, each with its rule:
   float32 compute (R7: 1:2 for float32), FP8 with e4m3 backward operands (R1: W~ / x in e4m3
   against dY in e5m2); 'auto' picks e5m2 on cusparselt and keeps e4m3 on 'xla'."""
-  from s24jax import sparse_linear   # pylint: disable=g-import-not-at-top
+  from s24jax.nn import sparse_linear   # pylint: disable=g-import-not-at-top
   from s24jax.methods import registry   # pylint: disable=g-import-not-at-top
   ste = registry.get_method("ste")
   auto = sparse_linear.SparsityConfig(method=ste, backend="cusparselt", fp8=True)
@@ -207,9 +207,11 @@ _MESH = r"""
 import sys
 sys.path.insert(0, {tests!r})
 import jax, jax.numpy as jnp, numpy as np
-from s24jax import model as model_lib, sharding, train
+from s24jax.nn import model as model_lib
+from s24jax.training import sharding
+from s24jax.training import train
 from s24jax.kernels.cusparselt import ops as cusparselt
-from s24jax.run_spec import RunSpec
+from s24jax.training.run_spec import RunSpec
 from tiny import tiny_config
 assert jax.device_count() == 4
 def losses(backend, method, kw):
@@ -297,7 +299,7 @@ def test_deviceless_h100_compile_has_the_custom_calls(tmp_path, monkeypatch):
     pytest.skip(str(e))
   monkeypatch.setenv("S24JAX_CACHE", str(tmp_path))
   out = tmp_path / "plan.json"
-  run = subprocess.run([sys.executable, "-m", "s24jax.plan", "--config",
+  run = subprocess.run([sys.executable, "-m", "s24jax.perf.plan", "--config",
                         "experiments/gpt2_t_sr_ste_df.py:tiny", "--gpu", "h100", "--devices", "8",
                         "--set", "sparsity.backend=cusparselt", "--set",
                         "sparsity.gemm_choice=sparse", "--no-search", "--json", str(out)],
@@ -326,7 +328,7 @@ def test_deviceless_h100_fp8_compile_keeps_the_library_rules(tmp_path, monkeypat
     pytest.skip(str(e))
   monkeypatch.setenv("S24JAX_CACHE", str(tmp_path))
   out = tmp_path / "plan.json"
-  run = subprocess.run([sys.executable, "-m", "s24jax.plan", "--config",
+  run = subprocess.run([sys.executable, "-m", "s24jax.perf.plan", "--config",
                         "experiments/gpt2_s_ste.py:tiny", "--gpu", "h100", "--set",
                         "sparsity.backend=cusparselt", "--set", "sparsity.gemm_choice=sparse",
                         "--no-search", "--json", str(out)],

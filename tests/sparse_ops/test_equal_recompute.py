@@ -1,4 +1,4 @@
-"""Equal recompute: under one remat policy (s24jax/layers.py, REMAT_POLICIES) a dense block and
+"""Equal recompute: under one remat policy (s24jax/nn/layers.py, REMAT_POLICIES) a dense block and
 a sparse one keep the same activations for the backward pass.
 
 A sparse layer's GEMMs sit inside the op's custom_vjp (and a cuSPARSELt call is no dot), so
@@ -17,10 +17,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from s24jax import layers
-from s24jax import model as model_lib
+from s24jax.nn import layers
+from s24jax.nn import model as model_lib
 from s24jax.kernels.cusparselt import ops as cusparselt
-from s24jax.run_spec import RunSpec
+from s24jax.training.run_spec import RunSpec
 
 from tiny import tiny_config
 

@@ -3,9 +3,9 @@ FP8 GEMMs of common.py through the 'xla' backend, and the backends' refusals).
 
 References: an independent simulation of each GEMM (every operand quantize-dequantized in its
 format, then a float64 GEMM; `_qdq_plain` writes the per-tensor amax scaling out in NumPy
-with ml_dtypes' casts, without s24jax.fp8), the pre-option backward written with
+with ml_dtypes' casts, without s24jax.sparse_ops.fp8), the pre-option backward written with
 fp8.fp8_dot_general (bit-identical), the float32 op (relative error bounds), and a tiny
-model's float32 loss. The quantization itself: tests/test_fp8_format.py.
+model's float32 loss. The quantization itself: tests/sparse_ops/test_fp8.py.
 
 The simulation is exact; the GEMM is not. On a CPU XLA upcasts the FP8 operands and sums the
 (exact) products in float32; on Hopper it runs cuBLASLt's FP8 GEMM, whose tensor cores
@@ -22,18 +22,18 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from s24jax import fp8
-from s24jax import losses as losses_lib
-from s24jax import model as model_lib
-from s24jax import config as config_lib
+from s24jax.sparse_ops import fp8
+from s24jax.nn import losses as losses_lib
+from s24jax.nn import model as model_lib
+from s24jax.training import config as config_lib
 from s24jax import sparse_ops
-from s24jax import train
+from s24jax.training import train
 from s24jax.kernels import masks
 from s24jax.kernels._testing import assert_within_bound
 from s24jax.kernels._testing import bound_violations
 from s24jax.kernels._testing import fp8_gemm_error_bound
-from s24jax.run_spec import RunSpec
-from s24jax.sparse_linear import SparsityConfig
+from s24jax.training.run_spec import RunSpec
+from s24jax.nn.sparse_linear import SparsityConfig
 from s24jax.sparse_ops.options import GemmOptions
 
 
@@ -101,7 +101,7 @@ def test_the_fp8_error_bound_rejects_real_mistakes():
 
 
 def _qdq_plain(a, np_dtype) -> np.ndarray:
-  """Per-tensor amax quantize-dequantize written out in numpy (no s24jax.fp8): scale =
+  """Per-tensor amax quantize-dequantize written out in numpy (no s24jax.sparse_ops.fp8): scale =
   fmax / amax, saturate, round to nearest even by ml_dtypes' cast, divide back."""
   a = np.asarray(a, np.float32)
   m = float(ml_dtypes.finfo(np_dtype).max)

@@ -27,17 +27,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from s24jax import hlo_text
-from s24jax import model as model_lib
-from s24jax import sparse_linear
+from s24jax.perf import hlo_text
+from s24jax.nn import model as model_lib
+from s24jax.nn import sparse_linear
 from s24jax import sparse_ops
-from s24jax import train
-from s24jax import validate
+from s24jax.training import train
+from s24jax.training import validate
 from s24jax.kernels import masks
 from s24jax.kernels.cusparselt import compression
 from s24jax.kernels.cusparselt import ops as cusparselt
 from s24jax.methods import registry
-from s24jax.run_spec import RunSpec
+from s24jax.training.run_spec import RunSpec
 from s24jax.sparse_ops import cusparselt as cslt_backend
 from s24jax.sparse_ops import gemm_choice
 from s24jax.sparse_ops import gemm_times
@@ -536,7 +536,8 @@ import jax
 pid, port, keys = int(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
 jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=pid,
                            initialization_timeout=120)
-from s24jax.sparse_ops import gemm_choice, gemm_times
+from s24jax.sparse_ops import gemm_choice
+from s24jax.sparse_ops import gemm_times
 
 def traced(x):   # while a step is traced, as a backend chooses
   for fields in keys:

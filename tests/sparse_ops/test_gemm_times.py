@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from s24jax import sparse_linear
+from s24jax.nn import sparse_linear
 from s24jax.kernels import timing
 from s24jax.methods import registry
 from s24jax.sparse_ops import cusparselt as cslt_backend

@@ -15,13 +15,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from s24jax import losses
+from s24jax.nn import losses
 from s24jax import sparse_ops
-from s24jax import train
+from s24jax.training import train
 from s24jax.methods import registry
-from s24jax.model import GPT2
-from s24jax.run_spec import RunSpec
-from s24jax.sparse_linear import SparseLinear, SparsityConfig
+from s24jax.nn.model import GPT2
+from s24jax.training.run_spec import RunSpec
+from s24jax.nn.sparse_linear import SparseLinear
+from s24jax.nn.sparse_linear import SparsityConfig
 from s24jax.sparse_ops import backend as backend_lib
 from s24jax.sparse_ops import xla
 from s24jax.sparse_ops.options import GemmOptions

@@ -18,7 +18,8 @@ import pytest
 from s24jax import sparse_ops
 from s24jax.kernels import compressed_matmul
 from s24jax.methods import registry
-from s24jax.sparse_linear import SparseLinear, SparsityConfig
+from s24jax.nn.sparse_linear import SparseLinear
+from s24jax.nn.sparse_linear import SparsityConfig
 from s24jax.sparse_ops import pallas
 from s24jax.sparse_ops import xla
 from s24jax.sparse_ops.options import GemmOptions

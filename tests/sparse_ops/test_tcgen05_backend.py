@@ -19,10 +19,10 @@ import jax
 import numpy as np
 import pytest
 
-from s24jax import train
+from s24jax.training import train
 from s24jax.kernels import tcgen05
-from s24jax.model import GPT2
-from s24jax.run_spec import RunSpec
+from s24jax.nn.model import GPT2
+from s24jax.training.run_spec import RunSpec
 
 from tiny import tiny_config
 
@@ -57,7 +57,8 @@ def test_tcgen05_off_blackwell_names_the_backend_that_runs():
 def test_train_step_with_tcgen05_compiles_for_b200_with_sparse_mma(tmp_path):
   code = r"""
 import json, sys
-from s24jax import config_files, plan
+from s24jax import config_files
+from s24jax.perf import plan
 from s24jax.kernels import aot
 aot.start(sys.argv[2])
 cfg = config_files.load_config(sys.argv[1], {

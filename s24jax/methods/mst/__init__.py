@@ -1,5 +1,6 @@
 """Mixed Sparsity Training (Hu, Li, Huang), one job per module:
 
+  attention_masks  Hybrid Sparse Attention's patterns (the model builds them: s24jax/nn/layers.py)
   schedule    step -> phase, target sparsity, drop fraction, attention pattern
   densities   per-layer sparsities (Erdos-Renyi, uniform) in the reference's layer order
   counts      per-layer update counts and the plan of a whole run (host side, float64)

@@ -7,7 +7,7 @@ tests/methods/mst_reference.py, an independent NumPy model of the authors' updat
 masks and weights step for step):
 
 - Layers: those matching `sparsity.sparse_layers`. The reference's set is every linear layer
-  of every block and the tied LM head / token embedding ('wte', s24jax/sparse_linear.py:
+  of every block and the tied LM head / token embedding ('wte', s24jax/nn/sparse_linear.py:
   SparseEmbed: one mask for the lookup and the head); experiments/gpt2_mst.py sets it.
   Forward W~ = mask * W; backward dL/dW := dL/dW~, dense; the optimizer sees only the active
   entries' gradients and pruned weights stay exactly 0.
@@ -83,7 +83,7 @@ import jax.numpy as jnp
 import optax
 from absl import logging
 
-from s24jax import attention_masks
+from s24jax.methods.mst import attention_masks
 from s24jax import chores as chores_lib
 from s24jax import metrics as metrics_lib
 from s24jax import state as state_lib
