@@ -49,73 +49,20 @@
 #include <tuple>
 #include <utility>
 
+#include "ffi_support.h"
 #include "scratch.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 using s24jax_cusparselt::AlignedScratch;
+using s24jax_cusparselt::CudaType;
+using s24jax_cusparselt::ElementBytes;
+using s24jax_cusparselt::Op;
+using s24jax_cusparselt::Status;
+using s24jax_cusparselt::TypeNamed;
 using s24jax_cusparselt::XlaScratch;
 
 namespace {
-
-std::string Status(const char* call, cusparseStatus_t status) {
-  return std::string("cuSPARSELt: ") + call + " failed with status " +
-         std::to_string(static_cast<int>(status)) + " (" + cusparseLtGetErrorName(status) +
-         ": " + cusparseLtGetErrorString(status) +
-         "; CUSPARSELT_LOG_LEVEL=1 prints the library's reason)";
-}
-
-#define S24_CUSPARSELT(call)                                                          \
-  do {                                                                                \
-    cusparseStatus_t s24_status = (call);                                             \
-    if (s24_status != CUSPARSE_STATUS_SUCCESS)                                        \
-      return ffi::Error::Internal(Status(#call, s24_status));                         \
-  } while (0)
-
-#define S24_CUDA(call)                                                                \
-  do {                                                                                \
-    cudaError_t s24_cuda = (call);                                                    \
-    if (s24_cuda != cudaSuccess)                                                      \
-      return ffi::Error::Internal(std::string("CUDA: ") + #call + " failed: " +       \
-                                  cudaGetErrorName(s24_cuda) + ": " +                 \
-                                  cudaGetErrorString(s24_cuda));                      \
-  } while (0)
-
-#define S24_RETURN_IF_ERROR(expr)                                                     \
-  do {                                                                                \
-    if (ffi::Error s24_error = (expr); s24_error.failure()) return s24_error;         \
-  } while (0)
-
-ffi::ErrorOr<cudaDataType> CudaType(ffi::DataType t) {
-  switch (t) {
-    case ffi::DataType::BF16: return CUDA_R_16BF;
-    case ffi::DataType::F16: return CUDA_R_16F;
-    case ffi::DataType::F32: return CUDA_R_32F;
-    case ffi::DataType::F8E4M3FN: return CUDA_R_8F_E4M3;
-    case ffi::DataType::F8E5M2: return CUDA_R_8F_E5M2;
-    default:
-      return ffi::Unexpected(ffi::Error::InvalidArgument(
-          "cuSPARSELt: unsupported element type " + std::to_string(static_cast<int>(t)) +
-          " (bf16, f16: sm_80+; e4m3, e5m2: sm_90+)"));
-  }
-}
-
-size_t ElementBytes(int type) {
-  return type == CUDA_R_32F ? 4 : type == CUDA_R_16BF || type == CUDA_R_16F ? 2 : 1;
-}
-
-// The dtype attributes' names (ops.py: _DTYPE_NAMES) -> XLA's element types.
-ffi::DataType TypeNamed(std::string_view name) {
-  if (name == "bf16") return ffi::DataType::BF16;
-  if (name == "f16") return ffi::DataType::F16;
-  if (name == "e4m3") return ffi::DataType::F8E4M3FN;
-  if (name == "e5m2") return ffi::DataType::F8E5M2;
-  return ffi::DataType::F32;
-}
-
-cusparseOperation_t Op(bool trans) {
-  return trans ? CUSPARSE_OPERATION_TRANSPOSE : CUSPARSE_OPERATION_NON_TRANSPOSE;
-}
 
 // An algorithm as spmm's attributes carry it (algorithms.Algorithm's fields), and the
 // library's attribute for each.

@@ -36,7 +36,8 @@ import jaxlib
 
 SOURCE = pathlib.Path(__file__).with_name("cusparselt_ffi.cc")
 # The headers SOURCE includes from this folder: part of the cache key.
-HEADERS = (pathlib.Path(__file__).with_name("scratch.h"),)
+HEADERS = (pathlib.Path(__file__).with_name("scratch.h"),
+           pathlib.Path(__file__).with_name("ffi_support.h"))
 # FFI target name -> the handler's symbol in the library. Every target starts with PREFIX:
 # kernels.aot.hlo_census counts custom calls by it (the planner's cusparselt_custom_calls).
 TARGETS = {"cusparselt_compress": "CusparseltCompress", "cusparselt_spmm": "CusparseltSpmm",

@@ -327,8 +327,8 @@ def driver_version(dev) -> str:
 _KERNELS = pathlib.Path(timing.__file__).parent / "cusparselt"
 _SPARSE_OPS = pathlib.Path(__file__).parent
 GEMM_CODE_FILES = (
-    *(_KERNELS / f for f in ("cusparselt_ffi.cc", "scratch.h", "library.py", "ops.py",
-                             "layout.py", "compression.py", "algorithms.py")),
+    *(_KERNELS / f for f in ("cusparselt_ffi.cc", "scratch.h", "ffi_support.h", "library.py",
+                             "ops.py", "layout.py", "compression.py", "algorithms.py")),
     *(_SPARSE_OPS / f for f in ("cusparselt.py", "cusparselt_gemms.py", "common.py", "fp8.py")))
 
 
