@@ -18,13 +18,15 @@ environment on SLURM, Open MPI, Kubernetes, TPU pods), or give the cluster expli
 On CPU hosts the processes talk through gloo (JAX's CPU collectives).
 
 Exit codes (README.md, "Exit codes"; docs/resuming.md):
-  0   trained to total_steps (or to --config.stop_at_step)
+  0   trained to total_steps (or to --config.stop_at_step); also after a SIGTERM / SIGINT
+      during the last step, which the run finishes (it says so)
   1   an internal error (a bug, or a failure s24jax does not check for): its traceback, on
       the terminal and in <workdir>/train.log
-  2   a user error: a bad command line, config value, data set or workdir, a checkpoint of
-      another config, a backend that cannot run here (e.g. cusparselt off an A100/H100). One
-      line names the field or file; checked before anything is written, so the workdir is
-      as it was
+  2   a user error: a bad command line (a flag out of range, a workdir that is a file or a
+      dangling link, something else named run.lock), config value, data set or workdir, a
+      checkpoint of another config, a backend that cannot run here (e.g. cusparselt off an
+      A100/H100), a cluster --distributed cannot find or reach. One line names the field or
+      file; checked before anything is written, so the workdir is as it was
   3   another run holds the workdir (its lock names it); nothing was written
   4   a non-finite loss or gradient norm stopped the run; nothing non-finite was saved, the
       message names the step and the last good checkpoint
@@ -32,9 +34,11 @@ Exit codes (README.md, "Exit codes"; docs/resuming.md):
       the previous checkpoint, which is intact) or none in the workdir can be read; or another
       write of the run failed after the checks (a full disk, a folder made read-only): one
       line, the complete checkpoints intact
+  6   the train step does not fit the device's memory (compiled and checked before step 1,
+      nothing written; the line names the nearest setting that fits: s24jax/training/fit.py)
   75  stopped by SIGTERM or SIGINT after saving the checkpoint of the step it was on (or,
-      outside the training loop, with nothing lost): re-run the same command (requeue the
-      job) to resume
+      outside the training loop, from the first instant of the command, with nothing lost):
+      one line; re-run the same command (requeue the job) to resume
 
 Before anything is written, every place the run writes is checked (s24jax/destinations.py):
 the workdir (the lock, written whole, is the first write; each entry of the run's of its
@@ -45,26 +49,21 @@ of the libraries (Orbax, JAX, TFDS, ...), and their tracebacks, go to <workdir>/
 everything else. train.log is opened once the run's checks pass: a run stopped by a user
 error leaves no log behind.
 """
-import logging as std_logging
-import os
-import signal
-import sys
-
-
-def _stop_while_importing(signum, frame) -> None:
-  """Ctrl-C during the imports (seconds, much of it in C extensions, where a KeyboardInterrupt
-  turns into an ImportError, or worse): one line and out; nothing was written yet."""
-  del signum, frame
-  os.write(2, b"launch.py: stopped by SIGINT while starting; nothing was written. Run the "
-           b"same command again to start.\n")
-  # errors.EXIT_PREEMPTED (s24jax is not imported yet)
-  os._exit(75)   # pylint: disable=protected-access
-
+from s24jax.cli import command
 
 if __name__ == "__main__":
-  _default_sigint = signal.signal(signal.SIGINT, _stop_while_importing)
+  # From this instant a Ctrl-C or SIGTERM is one line and exit code 75, nothing written: the
+  # imports below take seconds, much of it in C extensions, where a KeyboardInterrupt turns
+  # into an ImportError, or worse. main() takes over (command.run), then the loop (preemption.py).
+  command.guard_startup("launch.py")
 
 # pylint: disable=wrong-import-position
+import logging as std_logging
+import os
+import re
+import sys
+import traceback
+
 import jax
 from absl import app, flags, logging
 
@@ -78,9 +77,6 @@ from s24jax.kernels.cusparselt import library as cusparselt_library
 from s24jax.kernels.cusparselt import ops as cusparselt_ops
 # pylint: enable=wrong-import-position
 
-if __name__ == "__main__":
-  signal.signal(signal.SIGINT, _default_sigint)   # KeyboardInterrupt again: main() says it
-
 _CONFIG = flags.DEFINE_string("config", None, "Experiment config file[:variant]; "
                               "--config.path.to.field=value overrides a field (repeatable).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (checkpoints, logs, plots). "
@@ -92,8 +88,20 @@ _DISTRIBUTED = flags.DEFINE_bool("distributed", False, "Call jax.distributed.ini
                                   "(implied by the three flags below).")
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None,
                                    "host:port of process 0 (default: from the environment).")
-_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the run.")
-_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index.")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the run.",
+                                      lower_bound=1)
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index, from 0.",
+                                   lower_bound=0)
+_HOST_PORT = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[^\s:\[\]]+):(\d{1,5})")   # IPv6 in brackets
+flags.register_validator(
+    "coordinator_address", lambda v: v is None or (
+        bool(m := _HOST_PORT.fullmatch(v)) and 0 < int(m[2]) < 65536),
+    message="--coordinator_address must be host:port, the port in 1-65535 (e.g. "
+            "10.0.0.1:1234)")
+flags.register_multi_flags_validator(
+    ["num_processes", "process_id"], lambda f: None in f.values() or (
+        f["process_id"] < f["num_processes"]),
+    message="--process_id must be below --num_processes (the processes are numbered from 0)")
 
 _OURS = (os.path.join(os.path.dirname(os.path.abspath(__file__)), "s24jax") + os.sep,
          os.path.abspath(__file__))
@@ -105,8 +113,8 @@ EXIT_LOCKED = errors.EXIT_LOCKED
 
 def _usage_error(message: str) -> None:
   """A bad command line: one line, exit code 2 (errors.EXIT_USER)."""
-  sys.stderr.write(f"FATAL Flags parsing error: {message}\n"
-                   "Pass --helpshort or --helpfull to see help on flags.\n")
+  sys.stderr.write(f"launch.py: {message} (python launch.py --helpshort lists the flags) "
+                   f"(exit code {errors.EXIT_USER})\n")
   sys.exit(errors.EXIT_USER)
 
 
@@ -189,9 +197,10 @@ def _terminal_logs() -> _Held:
 
 
 def _ignored_exceptions_to_the_log() -> None:
-  """Exceptions a library ignored (sys.unraisablehook: e.g. tensorstore's callbacks into
-  Orbax's closed event loop after a failed save, one traceback each) go to train.log, with
-  one line on the terminal the first time, not a traceback each on the terminal."""
+  """Exceptions a library ignored (sys.unraisablehook, one traceback each) go to train.log,
+  with one line on the terminal the first time, not a traceback each on the terminal; none
+  for what a failed checkpoint read or save leaves (`_checkpoint_aftermath`): that failure
+  has its own line."""
   said = []
 
   def hook(unraisable) -> None:
@@ -200,12 +209,25 @@ def _ignored_exceptions_to_the_log() -> None:
         (unraisable.object,), (unraisable.exc_type, unraisable.exc_value,
                                unraisable.exc_traceback))
     std_logging.getLogger().handle(record)   # the terminal filter keeps it off the terminal
+    if _checkpoint_aftermath(unraisable.exc_value):
+      return   # the failed read or save behind it is said in its own line (checkpoint.py)
     if not said:
       said.append(True)
+      first = (str(unraisable.exc_value).strip().splitlines() or [""])[0][:200]
       logging.warning("a library ignored an exception (%s: %s); it and any later ones are in "
-                      "train.log", unraisable.exc_type.__name__, unraisable.exc_value)
+                      "train.log", unraisable.exc_type.__name__, first)
 
   sys.unraisablehook = hook
+
+
+def _checkpoint_aftermath(error: BaseException | None) -> bool:
+  """Whether `error`, an exception a library ignored, is what a checkpoint that failed to read
+  or save leaves behind: Orbax's read coroutines closed half-way (their error holds a
+  TensorStore spec of 50 lines), tensorstore's callbacks into Orbax's closed event loop."""
+  if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+    return True
+  frames = traceback.extract_tb(error.__traceback__) if error is not None else []
+  return any(f"{os.sep}orbax{os.sep}" in frame.filename for frame in frames)
 
 
 def _route_logs(workdir: str, process: int = 0, held: _Held | None = None) -> str:
@@ -227,13 +249,11 @@ def _route_logs(workdir: str, process: int = 0, held: _Held | None = None) -> st
 
 
 def main(argv):
-  try:
-    _main(argv)
-  except KeyboardInterrupt:   # outside the training loop, whose signals preemption.py handles
-    logging.warning("stopped by SIGINT outside the training loop; the checkpoints already "
-                    "written are intact. Run the same command again (exit code %d)",
-                    errors.EXIT_PREEMPTED)
-    sys.exit(errors.EXIT_PREEMPTED)
+  """_main on the shared error path (s24jax/cli/command.py): from here a Ctrl-C or SIGTERM
+  outside the training loop (whose own handling, preemption.py, saves the step first) is one
+  line and exit code 75; the run's own errors are said by _main and _train."""
+  command.exit_with(command.run(_main, argv, name="launch.py", stopped="the checkpoints already "
+                       "written are intact: run the same command again to resume"))
 
 
 def _main(argv):
@@ -245,39 +265,58 @@ def _main(argv):
   try:
     config = validate.load_config(_CONFIG.value, args=_overrides)
   except errors.UserError as e:
-    logging.error("%s", e)
+    logging.error("%s (exit code %d)", e, e.exit_code)
     sys.exit(e.exit_code)
   workdir = _WORKDIR.value or default_workdir(_CONFIG.value)
   explicit = {name: f.value for name, f in (("coordinator_address", _COORDINATOR),
                                             ("num_processes", _NUM_PROCESSES),
                                             ("process_id", _PROCESS_ID)) if f.value is not None}
   distributed = _DISTRIBUTED.value or bool(explicit)
-  process = _PROCESS_ID.value or 0
   # The lock comes first: a second run on this workdir must write nothing, not even a log.
+  # Process 0 takes it here; a process whose index only jax.distributed.initialize learns
+  # (from the cluster's environment) leaves it to the loop, which takes it as process 0
+  # (tested with one process and explicit flags; never run on a real cluster).
+  first = not distributed or _PROCESS_ID.value == 0
   lock = workdir_lib.WorkdirLock(workdir)
-  if process == 0:
+  if first:
     try:
       lock.acquire()
     except errors.KnownError as e:   # busy (3), or a workdir that cannot be created (2)
-      logging.error("%s", e)
+      logging.error("%s (exit code %d)", e, e.exit_code)
       sys.exit(e.exit_code)
   try:
     if explicit and not _DISTRIBUTED.value:
       logging.info("%s given: running with --distributed", ", ".join(f"--{k}" for k in explicit))
-    sys.exit(_train(config, workdir, distributed, process, held,
-                    allow_unmatched=_ALLOW_UNMATCHED.value, source=_CONFIG.value))
+    sys.exit(_train(config, workdir, distributed, held, allow_unmatched=_ALLOW_UNMATCHED.value,
+                    source=_CONFIG.value))
   finally:
-    if process == 0:
+    if first:
       lock.release()
 
 
-def _train(config, workdir: str, distributed: bool, process: int, held: _Held, *,
+def _start_distributed() -> None:
+  """jax.distributed.initialize with the cluster flags (None: from the environment); a
+  cluster it cannot find or reach is a UserError, one line (nothing was written)."""
+  if jax.config.jax_platforms == "cpu":
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  try:
+    jax.distributed.initialize(coordinator_address=_COORDINATOR.value,
+                               num_processes=_NUM_PROCESSES.value, process_id=_PROCESS_ID.value)
+  except (ValueError, RuntimeError) as e:   # no cluster in the environment, no coordinator
+    why = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+    raise errors.UserError(
+        f"cannot start the distributed run ({why}): give --coordinator_address, "
+        "--num_processes and --process_id, or run it under a cluster manager JAX detects "
+        "(SLURM, Open MPI, Kubernetes, a TPU pod)") from e
+
+
+def _train(config, workdir: str, distributed: bool, held: _Held, *,
            allow_unmatched: bool = False, source: str = "") -> int:
   """The run; its exit code (module docstring)."""
   log_path = []
 
   def start():   # the checks passed: from here on the run writes to its workdir
-    log_path.append(_route_logs(workdir, process, held))
+    log_path.append(_route_logs(workdir, jax.process_index(), held))
     logging.info("JAX %s on %d %s device(s) in %d process(es); workdir %s (library logs: %s)",
                  jax.__version__, jax.device_count(), jax.default_backend(),
                  jax.process_count(), workdir, log_path[0])
@@ -285,11 +324,7 @@ def _train(config, workdir: str, distributed: bool, process: int, held: _Held, *
   try:
     aot.cpu_unless_gpu()   # no CUDA start-up noise where the optional compile plugin sits idle
     if distributed:
-      if jax.config.jax_platforms == "cpu":
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-      jax.distributed.initialize(coordinator_address=_COORDINATOR.value,
-                                 num_processes=_NUM_PROCESSES.value,
-                                 process_id=_PROCESS_ID.value)
+      _start_distributed()
     final = loop.train_and_evaluate(config, workdir, on_start=start,
                                     allow_unmatched_layers=allow_unmatched, source=source)
   except errors.KnownError as e:

@@ -2,7 +2,8 @@
 
   python experiments/compare_hu2024.py [--root runs/compare_hu2024] [--steps 600] [--only a,b]
 
-Runs (each its own workdir under --root; finished ones are reused, not redone):
+Runs (each its own workdir under --root; finished ones are reused, not redone, if made with
+the same config, else the script stops before any run: s24jax/cli/compare.py):
   dense              the dense baseline
   ste                hard threshold, straight-through, no decay
   sr_ste_grad        SR-STE, lambda_W = 6e-5 on the gradients (after clipping, before AdamW)
@@ -27,6 +28,16 @@ the last log (`flip_warn`).
 """
 from __future__ import annotations
 
+from s24jax.cli import command
+
+NAME = "experiments/compare_hu2024.py"
+if __name__ == "__main__":
+  command.guard_startup(NAME)
+
+# pylint: disable=wrong-import-position  (after the guard: Ctrl-C during imports is one line)
+import sys
+
+import command_line   # experiments/, beside this file
 from s24jax.cli import compare
 
 SR_STE = "experiments/gpt2_sr_ste.py:tiny"
@@ -59,10 +70,15 @@ EXTRA = {"train/method/decay": "lambda", "train/transposable_kept_ratio": "kept_
          "train/mask_refresh/refreshed": "refresh", "train/flip_rate_warning": "flip_warn"}
 
 
-def main(argv=None) -> None:
-  compare.script_main(__doc__.split("\n")[0], RUNS, "runs/compare_hu2024",
-                      extra_keys=EXTRA, argv=argv)
+def main(argv=None) -> int:
+  description = __doc__.split("\n")[0]
+  parsed = command_line.comparison_parser(description, [r.name for r in RUNS],
+                                          "runs/compare_hu2024", prog=NAME).parse_args(argv)
+  command_line.compare(parsed, RUNS, description, extra_keys=EXTRA)
+  return 0
 
 
 if __name__ == "__main__":
-  main()
+  from s24jax.kernels import aot   # pylint: disable=g-import-not-at-top
+  aot.cpu_unless_gpu()
+  command.exit_with(command.run(main, name=NAME, stopped=command_line.STOPPED))

@@ -2,7 +2,8 @@
 
   python experiments/compare_s_ste.py [--root runs/compare_s_ste] [--steps 600] [--only a,b]
 
-Runs (each its own workdir under --root; finished ones are reused, not redone):
+Runs (each its own workdir under --root; finished ones are reused, not redone, if made with
+the same config, else the script stops before any run: s24jax/cli/compare.py):
   dense            the dense baseline
   ste              hard threshold, straight-through
   s_ste            soft threshold, beta fixed at init; exact weight gradient, fp32 GEMMs
@@ -22,8 +23,17 @@ a recomputed beta ends larger than the fixed one.
 """
 from __future__ import annotations
 
-import os
+from s24jax.cli import command
 
+NAME = "experiments/compare_s_ste.py"
+if __name__ == "__main__":
+  command.guard_startup(NAME)
+
+# pylint: disable=wrong-import-position  (after the guard: Ctrl-C during imports is one line)
+import os
+import sys
+
+import command_line   # experiments/, beside this file
 from s24jax.cli import compare
 from s24jax import metrics as metrics_lib
 
@@ -63,11 +73,16 @@ def beta_table(runs, root: str) -> str:
   return "\n".join(lines)
 
 
-def main(argv=None) -> None:
-  compare.script_main(__doc__.split("\n")[0], RUNS, "runs/compare_s_ste",
-                      extra_keys={"train/method/scale": "beta_mean"}, appendix=beta_table,
-                      argv=argv)
+def main(argv=None) -> int:
+  description = __doc__.split("\n")[0]
+  parsed = command_line.comparison_parser(description, [r.name for r in RUNS],
+                                          "runs/compare_s_ste", prog=NAME).parse_args(argv)
+  command_line.compare(parsed, RUNS, description,
+                       extra_keys={"train/method/scale": "beta_mean"}, appendix=beta_table)
+  return 0
 
 
 if __name__ == "__main__":
-  main()
+  from s24jax.kernels import aot   # pylint: disable=g-import-not-at-top
+  aot.cpu_unless_gpu()
+  command.exit_with(command.run(main, name=NAME, stopped=command_line.STOPPED))

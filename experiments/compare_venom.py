@@ -2,7 +2,8 @@
 
   python experiments/compare_venom.py [--root runs/compare_venom] [--steps 600] [--only a,b]
 
-Runs (each its own workdir under --root; finished ones are reused, not redone):
+Runs (each its own workdir under --root; finished ones are reused, not redone, if made with
+the same config, else the script stops before any run: s24jax/cli/compare.py):
   gelu_dense       the GELU dense baseline (experiments/gpt2_dense.py)
   relu2_dense      Squared-ReLU FFN, dense (experiments/gpt2_relu2_dense.py)
   relu2_act_vnm    + V:N:M activations (V=64, 2:8) into the 2nd FFN matmul, dense weights,
@@ -23,10 +24,19 @@ Columns beyond the standard ones (s24jax.cli.compare):
 """
 from __future__ import annotations
 
+from s24jax.cli import command
+
+NAME = "experiments/compare_venom.py"
+if __name__ == "__main__":
+  command.guard_startup(NAME)
+
+# pylint: disable=wrong-import-position  (after the guard: Ctrl-C during imports is one line)
 import os
+import sys
 
 import numpy as np
 
+import command_line   # experiments/, beside this file
 from s24jax.cli import compare
 from s24jax import config_files
 from s24jax import metrics as metrics_lib
@@ -62,11 +72,17 @@ def _extra_table(runs, root: str) -> str:
   return "\n".join(lines)
 
 
-def main(argv=None) -> None:
-  compare.script_main(__doc__.split("\n")[0], RUNS, "runs/compare_venom",
-                      extra_keys={"act/zero_frac": "zeros_end", "act/kept_l1": "kept_l1_end"},
-                      appendix=_extra_table, argv=argv)
+def main(argv=None) -> int:
+  description = __doc__.split("\n")[0]
+  parsed = command_line.comparison_parser(description, [r.name for r in RUNS],
+                                          "runs/compare_venom", prog=NAME).parse_args(argv)
+  command_line.compare(parsed, RUNS, description,
+                       extra_keys={"act/zero_frac": "zeros_end", "act/kept_l1": "kept_l1_end"},
+                       appendix=_extra_table)
+  return 0
 
 
 if __name__ == "__main__":
-  main()
+  from s24jax.kernels import aot   # pylint: disable=g-import-not-at-top
+  aot.cpu_unless_gpu()
+  command.exit_with(command.run(main, name=NAME, stopped=command_line.STOPPED))

@@ -22,7 +22,10 @@ Ablations:
 Expected (small, 3-5 minutes on 2 CPU cores): final val loss 1.87-1.89 nats per byte, far
 below the unigram entropy of the embedded corpus (3.33), within ~1 % of the dense baseline; the
 flip rate peaks at the end of warm-up, then decays; beta stays at its initial value. The band
-a run must land in: README, "Quick start". The default (no variant) is paper-scale GPT-2 124M.
+a run must land in: README, "Quick start". The default (no variant) is paper-scale GPT-2 124M,
+300,000 steps of 512 x 1024 tokens: a GPU's run. Where its step does not fit the device's
+memory (a CPU's, a small GPU's), launch.py stops before step 1 with exit code 6, naming the
+nearest setting that fits (s24jax/training/fit.py), nothing written.
 """
 from s24jax.training.config import apply_variant
 from s24jax.training.config import base_config

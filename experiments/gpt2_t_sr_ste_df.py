@@ -9,7 +9,7 @@
 What it sets (the paper's hyper-parameters; the rest is the GPT-2 recipe of base_config):
 - method 't_sr_ste' (s24jax/methods/t_sr_ste.py): transposable 2:4 masks (W~ and W~^T both
   2:4), cached and refreshed every 40 optimizer steps;
-- so the three GEMMs of every FFN linear are 2:4 sparse (s24jax/sparse_ops.py): y = x W~^T,
+- so the three GEMMs of every FFN linear are 2:4 sparse (s24jax/sparse_ops/): y = x W~^T,
   dX = dY W~, and dW = MVUE(dY^T) x with the unbiased 2:4 estimator along the tokens;
 - SR-STE masked decay on the gradients, after clipping, before AdamW, lambda_W per model size
   (methods.sr_ste.PAPER_DECAY);

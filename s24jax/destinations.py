@@ -264,12 +264,14 @@ def atomic_file(path: str | os.PathLike, mode: str = "wb", *,
   raises, the temporary file is removed and `path` is as it was. `replaces` (the guard, as
   check_file has it): an existing `path` it does not recognise as `what` (this command's
   earlier output) is left alone and a DestinationError raised, before anything is written.
+  A missing folder is made (the checks before the work accept one that can be: check_folder).
   OSError on a failed write."""
   if mode not in ("w", "wb"):
     raise ValueError(f"atomic_file: mode {mode!r}; valid: 'w', 'wb'")
   path = os.path.abspath(os.fspath(path))
   _guard(path, replaces, what)
   folder, name = os.path.split(path)
+  os.makedirs(folder, exist_ok=True)
   tmp = os.path.join(folder, f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
   f = None
   try:

@@ -33,19 +33,25 @@ _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 
 
 def snapshot(root) -> dict[str, str]:
-  """{relative path: sha256 of the file, or '<dir>'} of everything under `root` (and root
-  itself: '.'), so an unchanged tree compares equal, byte for byte."""
+  """{relative path: sha256 of the file, '<dir>', or '<link to T>'} of everything under `root`
+  (and root itself: '.'), so an unchanged tree compares equal, byte for byte; a symbolic link
+  is recorded by its target (dangling or not), never followed."""
   root = os.fspath(root)
   out = {}
   if not os.path.lexists(root):
     return out
+  if os.path.islink(root):
+    return {".": f"<link to {os.readlink(root)}>"}
   if not os.path.isdir(root):
     with open(root, "rb") as f:
       return {".": hashlib.sha256(f.read()).hexdigest()}
   for folder, dirs, files in os.walk(root):
     out[os.path.relpath(folder, root)] = "<dir>"
-    for name in files:
+    for name in files + [d for d in dirs if os.path.islink(os.path.join(folder, d))]:
       path = os.path.join(folder, name)
+      if os.path.islink(path):
+        out[os.path.relpath(path, root)] = f"<link to {os.readlink(path)}>"
+        continue
       with open(path, "rb") as f:
         out[os.path.relpath(path, root)] = hashlib.sha256(f.read()).hexdigest()
     dirs.sort()

@@ -128,10 +128,14 @@ def test_a_write_replaces_the_target_whole_and_syncs_it(tmp_path, monkeypatch):
   assert synced == [target.stat().st_ino, target.parent.stat().st_ino]
   destinations.write_atomic(str(target), b"\x00\xff")
   assert target.read_bytes() == b"\x00\xff" and os.listdir(target.parent) == ["table.md"]
-  missing = tmp_path / "missing" / "table.md"
-  with pytest.raises(FileNotFoundError) as e:     # named as the caller's file
-    destinations.write_atomic(missing, "x")
-  assert e.value.filename == str(missing)
+  missing = tmp_path / "missing" / "table.md"      # a folder the checks accept as makeable
+  destinations.write_atomic(missing, "x")
+  assert missing.read_text() == "x" and os.listdir(missing.parent) == ["table.md"]
+  blocked = tmp_path / "a_file" / "table.md"       # a file where its folder would go
+  (tmp_path / "a_file").write_text("mine")
+  with pytest.raises(OSError):
+    destinations.write_atomic(blocked, "x")
+  assert (tmp_path / "a_file").read_text() == "mine"
   with pytest.raises(ValueError, match="mode 'a'; valid: 'w', 'wb'"):
     with destinations.atomic_file(target, "a"):
       pass

@@ -5,7 +5,8 @@ perf tools' commands and the experiments/ scripts.
                        instant a Ctrl-C (SIGINT) or SIGTERM ends the process with one line and
                        exit code 75, nothing having been written;
   Parser               argparse with one-line errors (exit code 2), the README's;
-  run(main, argv)      main under the shared handling: a UserError or other KnownError is its
+  run(main, argv)      main under the shared handling (a script ends with
+                       `command.exit_with(command.run(main, name=...))`): a UserError or other KnownError is its
                        one line and its exit code (errors.py), a write that fails after the
                        checks one line and 5 (destinations.py), Ctrl-C one line and 75 (main
                        says what is intact by raising `errors.Stopped`-style KnownErrors, or
@@ -47,9 +48,19 @@ class Parser(argparse.ArgumentParser):
   """argparse whose errors are one line naming the argument (exit code 2); --help as usual."""
 
   def error(self, message: str):
-    _say(self.prog, f"{message} (python -m ... --help lists the arguments) "
+    runnable = (f"python -m {self.prog}" if "." in self.prog and "/" not in self.prog
+                and not self.prog.endswith(".py") else self.prog)
+    _say(self.prog, f"{message} ({runnable} --help lists the arguments) "
                     f"(exit code {errors.EXIT_USER})")
     sys.exit(errors.EXIT_USER)
+
+
+def exit_with(code: int) -> None:
+  """sys.exit(code), deaf to SIGINT / SIGTERM from here on: a command that has finished says
+  so, and a signal while the interpreter shuts down must not turn its code into 130."""
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
+  signal.signal(signal.SIGTERM, signal.SIG_IGN)
+  sys.exit(code)
 
 
 def _interrupted(signum, frame):   # pylint: disable=unused-argument
@@ -64,8 +75,15 @@ def run(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] 
   `writes_under`: the folder the command writes in, where a permission or missing-folder
   error is a failed write too (elsewhere only a full disk, a quota or a read-only filesystem
   is: a read that fails that way is a bug's, with its traceback)."""
-  signal.signal(signal.SIGINT, _interrupted)
-  signal.signal(signal.SIGTERM, _interrupted)
+  before = {sig: signal.signal(sig, _interrupted) for sig in (signal.SIGINT, signal.SIGTERM)}
+  try:
+    return _handled(main, argv, name, stopped, writes_under)
+  finally:   # an in-process caller (a test, a notebook) gets its own handlers back
+    for sig, handler in before.items():
+      signal.signal(sig, handler)
+
+
+def _handled(main, argv, name: str, stopped: str, writes_under: str | None) -> int:
   try:
     return int(main(argv) or 0)
   except KeyboardInterrupt as e:

@@ -12,20 +12,28 @@ Each run goes to its own workdir under `root` (resumed, not redone, if already f
 and the table reports final train/val loss, the unigram entropy, the flip rate at the end
 and its peak, tokens/s and wall time. Extra columns come from `extra_keys`. Overrides are
 type-checked like every command line's (s24jax/config_files.py).
+
+A run already in its workdir is reused (resumed, or tabulated if finished) only if it was made
+with exactly the config asked for (`check_reusable`): a table row is labelled with what the
+command asked for, and a run of an earlier `--steps` or an edited config file would be shown
+under that label. Every arm is checked before any run starts; one that differs stops the
+comparison with one line naming the fields (a UserError, exit code 2), nothing run.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
 import time
 from typing import Any, Sequence
 
-from s24jax import config_files
 from s24jax import destinations
 from s24jax import errors
+from s24jax.cli import args as args_lib
+from s24jax.cli import command
 from s24jax.training import loop
+from s24jax.training import validate
+from s24jax.training import workdir as workdir_lib
 from s24jax import metrics as metrics_lib
 
 
@@ -58,17 +66,50 @@ def _summary(workdir: str, wall: float, extra_keys: Sequence[str]) -> dict[str, 
   return row
 
 
+def check_reusable(workdir: str, config, *, remedy: str) -> None:
+  """The run in `workdir`, if any, was made with `config` (module docstring): else a UserError
+  naming the fields that differ and `remedy` (what to do). A workdir the loop would refuse (a
+  file, a folder where it keeps a file) is refused here, as the loop says it."""
+  workdir_lib.check(workdir)
+  recorded = workdir_lib.last_config(workdir)
+  if recorded is None:
+    if os.path.exists(os.path.join(workdir, "final_metrics.json")):
+      raise errors.UserError(f"{workdir} holds results but no config.json: what they were "
+                             f"run with is unknown. {remedy} (nothing was run)")
+    return
+  changed = workdir_lib.changed_fields(recorded, workdir_lib.as_json(config))
+  if changed:
+    shown = "; ".join(f"{k}: {v['was']!r} there, {v['now']!r} asked"
+                      for k, v in list(changed.items())[:4])
+    more = f"; and {len(changed) - 4} more" if len(changed) > 4 else ""
+    raise errors.UserError(
+        f"{workdir} holds a run of another config ({shown}{more}): reusing it would label "
+        f"its results with this command's. {remedy} (nothing was run)")
+
+
 def run_all(runs: Sequence[Arm], root: str, *, extra_keys: Sequence[str] = (),
             log=print) -> str:
-  """Trains every run (skipping finished ones) and returns a markdown table."""
-  rows = []
+  """Trains every run (reusing one already made with its config: `check_reusable`) and
+  returns a markdown table. Every arm's config (its values) and workdir are checked before any
+  run starts: nothing runs unless every run can."""
+  configs = []
   for r in runs:
+    try:
+      configs.append(validate.load_config(r.config, r.overrides))
+      validate.check_config(configs[-1])
+    except errors.UserError as e:
+      raise errors.UserError(f"run {r.name!r}: {e}") from e
+    workdir = os.path.join(root, r.name)
+    check_reusable(workdir, configs[-1], remedy=f"Choose another root (--root), or move "
+                   f"{workdir} away")
+  rows = []
+  for r, config in zip(runs, configs):
     workdir = os.path.join(root, r.name)
     t0 = time.time()
     done = os.path.exists(os.path.join(workdir, "final_metrics.json"))
     if not done:
       log(f"== {r.name}: {r.config} {r.overrides}")
-      loop.train_and_evaluate(config_files.load_config(r.config, r.overrides), workdir)
+      loop.train_and_evaluate(config, workdir)
     rows.append((r, _summary(workdir, time.time() - t0 if not done else float("nan"),
                              extra_keys)))
   return markdown_table(rows, extra_keys)
@@ -124,9 +165,9 @@ def script_main(description: str, runs: Sequence[Arm], default_root: str, *,
   above and the runs' workdirs intact (README, "Exit codes"). A run's own error is its one
   line and exit code.
   """
-  parser = argparse.ArgumentParser(description=description)
+  parser = command.Parser(description=description)
   parser.add_argument("--root", default=default_root)
-  parser.add_argument("--steps", type=int, default=0,
+  parser.add_argument("--steps", type=args_lib.integer(minimum=0), default=0,
                       help="override total_steps of every run (0: each config's own)")
   parser.add_argument("--only", default="", help="comma-separated run names")
   args = parser.parse_args(argv)

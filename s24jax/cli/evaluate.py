@@ -9,8 +9,10 @@ openbookqa, piqa, sciq, socialiqa, winogrande in their zero-shot `rc_0shot` form
 'task:format' for another format, or a path to a requests file). `--limit K` scores the first
 K documents of each task. It prints a table and writes JSON (every request's log-likelihood
 included) to --json, default <workdir>/zero_shot/step_<N>.json: checked first (a folder this
-process can write; an existing file only if it is an earlier report), printed before it is
-written, written whole (s24jax/destinations.py; a failed write: exit code 5, the table stays).
+process can write; an existing file only if it is an earlier report; none of the run's own
+entries, e.g. checkpoints/, which its next save prunes), printed before it is written, written
+whole (s24jax/destinations.py; a failed write: exit code 5, the table stays; README, "Exit
+codes").
 
 The model is the one the run computes with at that step (trained_lib.computed_params, which the
 JSON names): W~ = S(W) of a 2:4 method, beta S(W) of S-STE, the dense W after dense
@@ -27,40 +29,30 @@ keeps the tokens nearest the continuation (left truncation, as lm-eval and OLMo 
 continuation longer than seq_len is scored in windows of at most seq_len predicted tokens, each
 with as much preceding context as fits.
 
-Metrics, per task (documents with several continuations):
-  acc            argmax of the summed log-likelihoods is the gold one (OLMo `acc_raw`, lm-eval
-                 `acc`);
-  acc_per_char   argmax of log-likelihood / number of characters of the continuation, its
-                 leading space included: OLMo / OLMES `acc_per_char` (olmo_eval/metrics.py,
-                 ICLMetric with metric_type 'len_norm': loglikelihood / cont_str_len);
-  acc_norm       the same without the leading space: lm-eval's `acc_norm`
-                 (lm_eval/api/task.py, process_results: completion_len = len(choice), the
-                 choice without the target delimiter ' ');
-  acc_per_token  per token of the continuation (OLMES `acc_per_token`);
-  bpb            bits per byte of the gold continuation, -ll / ln 2 / its UTF-8 bytes, averaged
-                 over documents (OLMo's `bpb`, ICLMetric.compute);
-and for documents with one continuation (LAMBADA):
-  acc            the greedy continuation is the target: every continuation token is the
-                 argmax of its logits (lm-eval's `is_greedy`, LAMBADA's last-word accuracy);
-  bpb            as above (OLMo's lambada primary metric, `logits_per_byte`);
-  perplexity     exp(-mean over documents of ll), lm-eval's LAMBADA perplexity.
-`chance` is the random-guess accuracy, the mean over documents of 1 / number of choices.
+Metrics, per task: `DEFINITIONS` below, each with its source (also in every report); acc is
+greedy decoding's for documents with one continuation (LAMBADA).
 
 Batching: requests become rows of at most seq_len tokens, grouped by length into buckets of
 powers of two and batched by --batch_tokens (one batch shape per bucket: one compilation
-each), padded on the right, where causal attention
-cannot see the padding and a mask leaves it out of every sum: a request's score does not depend
-on its batch (tests/cli/test_evaluate.py checks it alone against in a padded batch).
+each), padded on the right, where causal attention cannot see the padding and a mask leaves it
+out of every sum: a request's score does not depend on its batch (tests/cli/test_evaluate.py
+checks it alone against in a padded batch).
 """
 from __future__ import annotations
 
+from s24jax.cli import command
+
+NAME = "s24jax.cli.evaluate"
+if __name__ == "__main__":
+  command.guard_startup(NAME)
+
+# pylint: disable=wrong-import-position  (after the guard: Ctrl-C during imports is one line)
 import argparse
 import dataclasses
 import functools
 import json
 import math
 import os
-import sys
 import time
 from typing import Any, Sequence
 
@@ -71,26 +63,33 @@ from tqdm import tqdm
 
 from s24jax import destinations
 from s24jax import errors
+from s24jax.cli import args as args_lib
+from s24jax.kernels import aot
+from s24jax.training import platform_dtypes
 from s24jax.training import trained as trained_lib
+from s24jax.training import workdir as workdir_lib
 from s24jax.nn import model as model_lib
 from s24jax.data import olmo_tasks
 from s24jax.data import tokenizer as tokenizer_lib
 
 DEFINITIONS = {
-    "acc": "argmax of summed continuation log-likelihood (OLMo acc_raw, lm-eval acc); one "
-           "continuation: greedy decoding gives it (lm-eval is_greedy, LAMBADA last-word acc)",
-    "acc_per_char": "argmax of ll / characters of the continuation incl. its leading space "
-                    "(OLMo/OLMES acc_per_char, olmo_eval/metrics.py len_norm)",
-    "acc_norm": "argmax of ll / characters without the leading space (lm-eval acc_norm, "
-                "lm_eval/api/task.py)",
+    "acc": "argmax of the summed continuation log-likelihoods (ll) is the gold one (OLMo "
+           "acc_raw, lm-eval acc); one continuation: greedy decoding gives it, each token the "
+           "argmax of its logits (lm-eval is_greedy, LAMBADA's last-word accuracy)",
+    "acc_per_char": "argmax of ll / characters of the continuation, its leading space included "
+                    "(OLMo/OLMES acc_per_char: olmo_eval/metrics.py, ICLMetric 'len_norm')",
+    "acc_norm": "argmax of ll / characters without the leading space (lm-eval acc_norm: "
+                "lm_eval/api/task.py process_results, len(choice) without the delimiter ' ')",
     "acc_per_token": "argmax of ll / continuation tokens (OLMES acc_per_token)",
-    "bpb": "bits per UTF-8 byte of the gold continuation, mean over documents (OLMo bpb)",
+    "bpb": "bits per UTF-8 byte of the gold continuation, -ll / ln 2 / bytes, mean over "
+           "documents (OLMo bpb, ICLMetric.compute; LAMBADA's primary, logits_per_byte)",
     "perplexity": "exp(-mean ll over documents) (lm-eval lambada perplexity)",
     "chance": "random guess: mean over documents of 1 / number of continuations",
 }
 PRIMARY = {"acc_raw": "acc", "acc_per_char": "acc_per_char", "acc_per_token": "acc_per_token",
            "logits_per_byte": "bpb", "acc_uncond": "acc"}
 MIN_BUCKET = 8
+_a_report = destinations.json_with_keys("definitions", "tasks")   # an earlier report's keys
 
 
 class EvalError(errors.UserError):
@@ -125,10 +124,8 @@ def rows_of(request: int, context: Sequence[int], continuation: Sequence[int],
 
 
 def bucket(n: int, seq_len: int) -> int:
-  b = MIN_BUCKET
-  while b < n:
-    b *= 2
-  return min(b, seq_len)
+  """The length a row of `n` tokens is padded to: a power of two, >= MIN_BUCKET, <= seq_len."""
+  return min(max(MIN_BUCKET, 1 << (n - 1).bit_length()), seq_len)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -170,8 +167,7 @@ class Scorer:
             desc: str = "", progress: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """(log-likelihood, greedy) of each pair's continuation, float64 and bool arrays."""
     rows = [r for i, (ctx, cont) in enumerate(pairs) for r in rows_of(i, ctx, cont, self.seq_len)]
-    ll = np.zeros(len(pairs), np.float64)
-    greedy = np.ones(len(pairs), bool)
+    ll, greedy = np.zeros(len(pairs), np.float64), np.ones(len(pairs), bool)
     groups: dict[int, list[Row]] = {}
     for r in rows:
       groups.setdefault(bucket(len(r.inputs), self.seq_len), []).append(r)
@@ -184,8 +180,7 @@ class Scorer:
       per = max(1, min(self.tokens_per_batch() // length, 1 << (len(group) - 1).bit_length()))
       for i in range(0, len(group), per):
         batch = group[i:i + per]
-        tokens = np.zeros((per, length), np.int32)
-        targets = np.zeros((per, length), np.int32)
+        tokens, targets = np.zeros((2, per, length), np.int32)
         mask = np.zeros((per, length), bool)
         for j, r in enumerate(batch):
           n = len(r.inputs)
@@ -242,10 +237,8 @@ def task_metrics(task: olmo_tasks.Task, ll: np.ndarray, greedy: np.ndarray,
   for doc in task.docs:
     k = len(doc.requests)
     lls = ll[i:i + k]
-    conts = [r.continuation for r in doc.requests]
-    gold = doc.gold
-    nbytes = len(conts[gold].encode("utf-8"))
-    bpb.append(-lls[gold] / math.log(2) / max(1, nbytes))
+    conts, gold = [r.continuation for r in doc.requests], doc.gold
+    bpb.append(-lls[gold] / math.log(2) / max(1, len(conts[gold].encode("utf-8"))))
     if k == 1:
       single_ll.append(lls[0])
       single_acc.append(float(greedy[i]))
@@ -263,8 +256,7 @@ def task_metrics(task: olmo_tasks.Task, ll: np.ndarray, greedy: np.ndarray,
     out.update({name: float(np.mean(v)) for name, v in mc.items()})
     out["chance"] = float(np.mean(chance))
   if single_ll:
-    key = "acc" if not chance else "acc_single"
-    out[key] = float(np.mean(single_acc))
+    out["acc" if not chance else "acc_single"] = float(np.mean(single_acc))
     out["perplexity"] = float(math.exp(-np.mean(single_ll)))
   out["bpb"] = float(np.mean(bpb))
   return out
@@ -327,73 +319,77 @@ def format_table(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-  p = argparse.ArgumentParser(prog="python -m s24jax.cli.evaluate",
-                              description="Zero-shot log-likelihood tasks on a run's checkpoint.")
-  p.add_argument("--workdir", required=True)
-  p.add_argument("--tasks", required=True,
-                 help="comma-separated: piqa,hellaswag,lambada,... (task:format, or a path "
-                      "to a requests.jsonl(.gz))")
-  p.add_argument("--step", type=int, default=None, help="the checkpoint (default: the newest)")
-  p.add_argument("--limit", type=int, default=None, help="the first K documents of each task")
-  p.add_argument("--json", default=None,
-                 help="where to write the report (default <workdir>/zero_shot/step_<N>.json)")
-  p.add_argument("--dtype", default="float32", help="compute dtype (default float32)")
-  p.add_argument("--batch_tokens", type=int, default=0,
-                 help="tokens per batch (0: ~256 MB of logits)")
-  p.add_argument("--prefix_eot", action="store_true",
-                 help="put the document separator before every context")
-  p.add_argument("--cache_dir", default=None,
-                 help="where the OLMo request wheel is cached (default $S24JAX_CACHE or "
-                      "~/.cache/s24jax)")
-  p.add_argument("--no_progress", action="store_true")
+  """The command under the shared error path: its exit code (a bad argument: SystemExit 2)."""
+  return command.run(_main, argv, name=NAME, stopped="no report was written (--json is as it "
+                     "was): run it again")
+
+
+def _main(argv: list[str] | None) -> int:
+  p = command.Parser(prog=NAME, usage="python -m %(prog)s --workdir W --tasks T [options]",
+                     description="Zero-shot log-likelihood tasks on a run's checkpoint.")
+  add = p.add_argument
+  add("--workdir", required=True, type=args_lib.input_folder("a run's workdir"))
+  add("--tasks", required=True, type=_tasks,
+      help="comma-separated: piqa,hellaswag,lambada,... (task:format, or a requests.jsonl(.gz))")
+  add("--step", type=args_lib.integer(minimum=0), help="the checkpoint (default: the newest)")
+  add("--limit", type=args_lib.integer(minimum=1), help="the first K documents of each task")
+  add("--json", help="where to write the report (default <workdir>/zero_shot/step_<N>.json)")
+  add("--dtype", default="float32", choices=("auto",) + platform_dtypes.FLOATS)
+  add("--batch_tokens", type=args_lib.integer(minimum=0), default=0, help="0: ~256 MB of logits")
+  add("--prefix_eot", action="store_true", help="the document separator before every context")
+  add("--cache_dir", help="the OLMo requests' cache (default $S24JAX_CACHE or ~/.cache/s24jax)")
+  add("--no_progress", action="store_true")
   args = p.parse_args(argv)
-  tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-  try:
-    if not tasks:
-      raise EvalError("--tasks names no task")
-    if args.limit is not None and args.limit < 1:
-      raise EvalError(f"--limit must be >= 1, got {args.limit}")
-    # Where the report goes, first: scores that could not be saved are not computed.
-    if args.json:
-      _check_report_path(args.json)
-    else:
-      destinations.check_folder(os.path.join(args.workdir, "zero_shot"),
-                                what="the evaluation report", flag="--json")
-    # Unknown tasks fail before the checkpoint is read (the request files may be fetched once
-    # into --cache_dir).
-    with destinations.writing("the request files' cache", "Nothing was written; give "
-                              "--cache_dir a folder this process can write",
-                              str(olmo_tasks.cached_wheel(args.cache_dir).parent),
-                              destinations.DestinationError):
-      loaded = [olmo_tasks.load_task(t, limit=args.limit, cache_dir=args.cache_dir)
-                for t in tasks]
-    trained = trained_lib.load_run(args.workdir, args.step)
-    path = args.json or os.path.join(trained.workdir, "zero_shot", f"step_{trained.step}.json")
-    _check_report_path(path)
-    report = evaluate(trained, loaded, dtype=args.dtype,
-                      batch_tokens=args.batch_tokens, prefix_eot=args.prefix_eot,
-                      progress=not args.no_progress)
-    report["limit"] = args.limit
-    print(format_table(report))   # the scores on the terminal before any write
-    with destinations.writing(f"the report {path}", "The table above holds the scores; the "
-                              "file is as it was", os.path.dirname(os.path.abspath(path))):
-      os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-      destinations.write_atomic(path, json.dumps(report, indent=1))
-  except errors.KnownError as e:
-    print(f"s24jax.cli.evaluate: {e}", file=sys.stderr)
-    return e.exit_code
-  except KeyboardInterrupt:
-    print("s24jax.cli.evaluate: stopped by SIGINT; nothing was written", file=sys.stderr)
-    return errors.EXIT_PREEMPTED
+  aot.cpu_unless_gpu()   # no CUDA start-up noise where the optional compile plugin sits idle
+  platform_dtypes.check(args.dtype, field="--dtype")   # the run's check, naming the flag
+  _check_report_path(args.json, args.workdir)   # first: no scores that could not be saved
+  # Unknown tasks fail before the checkpoint is read (the requests may be fetched once).
+  with destinations.writing("the request files' cache", "Nothing was written; give "
+                            "--cache_dir a folder this process can write",
+                            str(olmo_tasks.cached_wheel(args.cache_dir).parent),
+                            destinations.DestinationError):
+    loaded = [olmo_tasks.load_task(t, limit=args.limit, cache_dir=args.cache_dir)
+              for t in args.tasks]
+  trained = trained_lib.load_run(args.workdir, args.step)
+  path = args.json or os.path.join(trained.workdir, "zero_shot", f"step_{trained.step}.json")
+  _check_report_path(path, trained.workdir)
+  report = evaluate(trained, loaded, dtype=args.dtype, batch_tokens=args.batch_tokens,
+                    prefix_eot=args.prefix_eot, progress=not args.no_progress)
+  report["limit"] = args.limit
+  print(format_table(report))   # the scores on the terminal before any write
+  with destinations.writing(f"the report {path}", "The table above holds the scores; the "
+                            "file is as it was", os.path.dirname(os.path.abspath(path))):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    destinations.write_atomic(path, json.dumps(report, indent=1), replaces=_a_report,
+                              what="an evaluation report")
   print(f"wrote {path}")
-  return 0
+  return errors.EXIT_OK
 
 
-def _check_report_path(path: str) -> None:
-  """The report's file can be written, and replaces at most an earlier report."""
-  destinations.check_file(path, what="an evaluation report", flag="--json",
-                          replaces=destinations.json_with_keys("definitions", "tasks"))
+def _tasks(text: str) -> list[str]:
+  """--tasks: names, or paths to request files (a folder, a dangling link: said as such)."""
+  names = [t.strip() for t in text.split(",") if t.strip()]
+  for path in (t for t in names if os.sep in t and os.path.lexists(t)):
+    args_lib.input_file("a requests file")(path)
+  if not names:
+    raise argparse.ArgumentTypeError("names no task; e.g. --tasks piqa,hellaswag,lambada")
+  return names
+
+
+def _check_report_path(path: str | None, workdir: str) -> None:
+  """The report's file (None: the default's folder) can be written, replaces at most an earlier
+  report, and is none of the run's own entries (its next save prunes checkpoints/)."""
+  if path is None:
+    return destinations.check_folder(os.path.join(workdir, "zero_shot"),
+                                     what="the evaluation report", flag="--json")
+  for name in workdir_lib.RUN_FOLDERS + workdir_lib.RUN_FILES:
+    if destinations.inside(path, os.path.join(workdir, name)):
+      where = f"in the run's {name}/" if name in workdir_lib.RUN_FOLDERS else f"the run's {name}"
+      raise destinations.DestinationError(
+          f"--json {path} is {where}, which the run manages; choose another --json, e.g. "
+          f"{os.path.join(workdir, 'zero_shot', 'report.json')} (nothing was written)")
+  destinations.check_file(path, what="an evaluation report", flag="--json", replaces=_a_report)
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  command.exit_with(main())

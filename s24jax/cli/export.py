@@ -30,17 +30,31 @@ a folder this process can write, with the space the weights need. The directory 
 beside --out and renamed into place at the end (an earlier export is renamed aside first and
 removed last): a failure (a full disk: exit code 5, one line) leaves what was there intact.
 
-The way back (`--config.init_from`): s24jax/training/init_from.py.
+Two exports to one --out: the second to finish refuses (exit code 3, one line), --out left
+as the first wrote it: what --out was at the check is compared with what it is when the
+export is renamed into place, under a lock of its folder (`_replace_dir`).
+
+The way back (`--config.init_from`): s24jax/training/init_from.py. Exit codes (README, "Exit
+codes"): 0; 2 a user error (an argument, the workdir, --out), one line, nothing written; 3
+another command wrote --out meanwhile; 5 a write failed (a full disk), --out as it was; 75
+Ctrl-C, --out as it was; 1 a bug.
 """
 from __future__ import annotations
 
-import argparse
+from s24jax.cli import command
+
+NAME = "s24jax.cli.export"
+if __name__ == "__main__":
+  command.guard_startup(NAME)
+
+# pylint: disable=wrong-import-position  (after the guard: Ctrl-C during imports is one line)
+import contextlib
+import fcntl
 import json
 import os
 import pathlib
 import re
 import shutil
-import sys
 import tempfile
 import uuid
 from typing import Any
@@ -51,6 +65,8 @@ from safetensors import numpy as safetensors_np
 import s24jax
 from s24jax import destinations
 from s24jax import errors
+from s24jax.cli import args as args_lib
+from s24jax.kernels import aot
 from s24jax.nn import hf_layouts
 from s24jax.nn import model as model_lib
 from s24jax import state as state_lib
@@ -81,6 +97,7 @@ def write_hf_dir(out: str | os.PathLike[str], model_cfg: model_lib.ModelConfig, 
                       + "; ".join(problems) + ". Nothing was written.")
   out = pathlib.Path(out).expanduser().absolute()
   check_out(out, overwrite)
+  seen = _identity(out)   # what --out is now: compared before the rename (module docstring)
   tok = tokenizer_lib.by_name(tokenizer)
   weights = trained_lib.computed_params(model_cfg, params, sparsity)
   state = layout.to_hf(model_cfg, weights)
@@ -116,7 +133,7 @@ def write_hf_dir(out: str | os.PathLike[str], model_cfg: model_lib.ModelConfig, 
       (tmp / MARKER).write_text(json.dumps(info, indent=2))
       for f in tmp.iterdir():
         os.chmod(f, 0o644)
-      _replace_dir(tmp, out)
+      _replace_dir(tmp, out, seen)
     finally:
       if tmp.exists():
         shutil.rmtree(tmp, ignore_errors=True)
@@ -129,6 +146,12 @@ TOKENIZER_BYTES = 4 << 20   # GPT-2's tokenizer files: 3.1 MB (vocab, merges, to
 def check_out(out: pathlib.Path, overwrite: bool) -> None:
   """--out can take the export (module docstring): not a file; if not empty, replaced only
   with `overwrite` and only if it is an earlier export; its folder writable."""
+  if out.is_symlink():   # renamed over, the link (the user's) would be gone, its target kept
+    gone = "" if out.exists() else ", which does not exist"
+    raise destinations.DestinationError(
+        f"--out {out} is a symbolic link to {os.readlink(out)}{gone}: an export replaces a "
+        "folder, never a link; give the folder itself or choose another --out (nothing was "
+        "written)")
   if out.exists() and not out.is_dir():
     raise destinations.DestinationError(f"--out {out} is a file, not a folder; choose "
                                         "another --out (nothing was written)")
@@ -154,18 +177,53 @@ def _save_safetensors(state: dict[str, np.ndarray], path: pathlib.Path) -> None:
     raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from e
 
 
-def _replace_dir(new: pathlib.Path, out: pathlib.Path) -> None:
-  """Renames `new` to `out`; an existing `out` is renamed aside first (and back if the
-  rename fails) and removed last, so one of them is whole at every moment."""
-  aside = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}") if out.exists() else None
-  if aside is not None:
-    os.replace(out, aside)
+class OutChanged(errors.KnownError):
+  """Another command wrote --out while this export ran: --out is left as that one made it."""
+  exit_code = errors.EXIT_LOCKED
+
+
+def _identity(out: pathlib.Path) -> tuple[int, int, int] | None:
+  """None if `out` does not exist, else its (device, inode, mtime): an export renamed over it,
+  or an entry added to or removed from it, changes them."""
   try:
-    os.replace(new, out)
-  except BaseException:
+    st = os.stat(out)
+  except FileNotFoundError:
+    return None
+  return st.st_dev, st.st_ino, st.st_mtime_ns
+
+
+@contextlib.contextmanager
+def _locked(folder: pathlib.Path):
+  """An exclusive lock of `folder` (flock; released when the block ends, or by the kernel if
+  the process dies): exports into one folder place their directories one at a time. On a
+  filesystem without locks the comparison in `_replace_dir` stands alone."""
+  fd = os.open(folder, os.O_RDONLY)
+  try:
+    with contextlib.suppress(OSError):
+      fcntl.flock(fd, fcntl.LOCK_EX)
+    yield
+  finally:
+    os.close(fd)
+
+
+def _replace_dir(new: pathlib.Path, out: pathlib.Path, seen: Any) -> None:
+  """Renames `new` to `out` if `out` is still what it was at the check (`seen`, _identity's),
+  else OutChanged; an existing `out` is renamed aside first (and back if the rename fails)
+  and removed last, so one of them is whole at every moment."""
+  with _locked(out.parent):
+    if _identity(out) != seen:
+      raise OutChanged(f"--out {out} was written by another command while this export ran: "
+                       "it is left as that one made it and this export was not written; run "
+                       "it again (with --overwrite to replace an export) or choose another --out")
+    aside = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}") if out.exists() else None
     if aside is not None:
-      os.replace(aside, out)
-    raise
+      os.replace(out, aside)
+    try:
+      os.replace(new, out)
+    except BaseException:
+      if aside is not None:
+        os.replace(aside, out)
+      raise
   if aside is not None:
     shutil.rmtree(aside, ignore_errors=True)
 
@@ -193,25 +251,29 @@ def export_run(workdir: str, out: str, step: int | None = None, *,
 
 
 def main(argv: list[str] | None = None) -> int:
-  p = argparse.ArgumentParser(prog="python -m s24jax.cli.export",
-                              description="Writes a run's model as a Hugging Face transformers directory.")
-  p.add_argument("--workdir", required=True, help="the run's workdir")
+  """The command (module docstring) under the shared error path: its exit code (a bad
+  argument: one line and SystemExit 2)."""
+  return command.run(_main, argv, name=NAME, stopped="--out is as it was (an export is "
+                     "written whole or not at all): run it again")
+
+
+def _main(argv: list[str] | None) -> int:
+  p = command.Parser(prog=NAME, usage="python -m %(prog)s --workdir W --out DIR [--step N] "
+                     "[--overwrite]",
+                     description="Writes a run's model as a Hugging Face transformers directory.")
+  p.add_argument("--workdir", required=True, type=args_lib.input_folder("a run's workdir"),
+                 help="the run's workdir")
   p.add_argument("--out", required=True, help="the directory to write (new or empty)")
-  p.add_argument("--step", type=int, default=None, help="the checkpoint (default: the newest)")
-  p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+  p.add_argument("--step", type=args_lib.integer(minimum=0), default=None,
+                 help="the checkpoint (default: the newest)")
+  p.add_argument("--overwrite", action="store_true", help="replace an earlier export at --out")
   args = p.parse_args(argv)
-  try:
-    info = export_run(args.workdir, args.out, args.step, overwrite=args.overwrite)
-  except errors.KnownError as e:
-    print(f"s24jax.cli.export: {e}", file=sys.stderr)
-    return e.exit_code
-  except KeyboardInterrupt:
-    print("s24jax.cli.export: stopped by SIGINT; --out is as it was", file=sys.stderr)
-    return errors.EXIT_PREEMPTED
+  aot.cpu_unless_gpu()   # no CUDA start-up noise where the optional compile plugin sits idle
+  info = export_run(args.workdir, args.out, args.step, overwrite=args.overwrite)
   print(f"wrote {info['out']}: {info['model']}, step {info['step']}\n"
         f"weights: {info['weights']}")
-  return 0
+  return errors.EXIT_OK
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  command.exit_with(main())

@@ -15,6 +15,7 @@ if __name__ == "__main__":
 import sys
 
 from s24jax import errors
+from s24jax.kernels import aot
 from s24jax.training import flops
 from s24jax.training import validate
 
@@ -29,6 +30,10 @@ def main(argv) -> int:
     return errors.EXIT_OK
   if not argv:
     raise errors.UserError(f"no config file given; {USAGE}")
+  if argv[0].startswith("-"):   # e.g. launch.py's --config: here the file comes first, bare
+    raise errors.UserError(f"unknown option {argv[0]!r}: the config file comes first, without "
+                           f"a flag; {USAGE}")
+  aot.cpu_unless_gpu()   # no CUDA start-up noise where the optional compile plugin sits idle
   config = validate.load_config(argv[0], args=argv[1:])
   spec = validate.check_config(config)
   for k, v in flops.summary(flops.planned(spec)).items():
@@ -37,4 +42,4 @@ def main(argv) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(command.run(main, name="s24jax.cli.flops"))
+  command.exit_with(command.run(main, name="s24jax.cli.flops"))

@@ -5,6 +5,10 @@ outputs) and the ratio to the ideal (every input read once, every output written
 
     python -m s24jax.perf.compression_traffic [--gpu h100] [--json FILE]
 
+(--json: a new file, or this tool's own earlier records, never another file; written whole
+after the compiles, its folder made if missing. Exit codes: 0; 2 a bad argument or no compile
+plugin, one line, before any compile; 5 the file could not be written; 75 Ctrl-C; 1 a bug.)
+
 A perf tool (issue 40's goal: each compression within 1.3x of the ideal); nothing in the
 library imports it. The cases are the backend's (s24jax/sparse_ops/cusparselt.py), at GPT-2
 124M's FFN (W 3072 x 768) and a Llama-7B-like one (W 11008 x 4096), T = 65536 tokens:
@@ -58,10 +62,14 @@ tile's values and its metadata bytes in the one pass.
 """
 from __future__ import annotations
 
-import argparse
+from s24jax.cli import command
+
+if __name__ == "__main__":   # before the imports (jax): Ctrl-C while starting is one line
+  command.guard_startup("s24jax.perf.compression_traffic")
+
+# pylint: disable=wrong-import-position
 import dataclasses
 import json
-import pathlib
 import sys
 from typing import Any, Callable
 
@@ -69,7 +77,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from s24jax import errors
+from s24jax.cli import args as cli_args
 from s24jax.sparse_ops import fp8 as fp8_lib
+from s24jax.perf import outputs
 from s24jax.perf import step_census
 from s24jax.kernels import aot
 from s24jax.kernels import masks
@@ -190,11 +201,30 @@ def _row(r: dict[str, Any]) -> str:
           f"{r['bytes'] / 1e6:>10.1f} {r['ideal_bytes'] / 1e6:>9.1f} {r['ratio']:>6.2f}")
 
 
+def _records(path: str) -> bool:
+  """Whether `path` holds this tool's records (what --json may replace): a JSON list of
+  objects with a case and its ratio."""
+  try:
+    with open(path, encoding="utf-8") as f:
+      data = json.load(f)
+  except (OSError, ValueError):
+    return False
+  return isinstance(data, list) and bool(data) and all(
+      isinstance(r, dict) and {"case", "ratio"} <= set(r) for r in data)
+
+
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(prog="python -m s24jax.perf.compression_traffic",
-                              description=__doc__.split("\n")[0])
+  """The tool's exit code (the module docstring)."""
+  return command.run(_main, argv, name="s24jax.perf.compression_traffic")
+
+
+def _main(argv) -> int:
+  p = command.Parser(prog="python -m s24jax.perf.compression_traffic",
+                     description=__doc__.split("\n")[0])
   p.add_argument("--gpu", default="h100", choices=GPUS)
-  p.add_argument("--json", default="", help="write one record per case here (a new file)")
+  p.add_argument("--json", default=None, help="write one record per case here (a new file, or "
+                 "this tool's earlier records)",
+                 type=cli_args.output_file("this tool's records", "--json", replaces=_records))
   p.add_argument("--shapes", default=",".join(s.name for s in SHAPES),
                  help="comma-separated, of: " + ", ".join(s.name for s in SHAPES))
   p.add_argument("--only", default="", help="comma-separated case names")
@@ -207,13 +237,10 @@ def main(argv=None) -> int:
     bad = [v for v in given if v not in valid]
     if bad:
       p.error(f"{flag}: unknown {', '.join(bad)}; valid: {', '.join(valid)}")
-  if args.json and pathlib.Path(args.json).exists():
-    p.error(f"--json: {args.json} exists; name a new file (nothing is overwritten)")
   try:
     aot.start()
   except aot.PluginMissing as e:
-    print(f"cusparselt.traffic: {e}", file=sys.stderr)
-    return 2
+    raise errors.UserError(str(e)) from None
   print(f"{'case':<18} {'layout':<11} {'shape':<5} {'kernels':>7} {'MB':>10} {'ideal MB':>9} "
         f"{'ratio':>6}", flush=True)
   records = []
@@ -224,8 +251,9 @@ def main(argv=None) -> int:
       for name, b in r["per_kernel"]:
         print(f"    {name:<40} {b / 1e6:>10.1f}")
   if args.json:
-    pathlib.Path(args.json).write_text(json.dumps(records, indent=1))
-  return 0
+    outputs.write(args.json, json.dumps(records, indent=1), what="the records",
+                  replaces=_records, intact="The table above is complete; the file is as it was")
+  return errors.EXIT_OK
 
 
 if __name__ == "__main__":

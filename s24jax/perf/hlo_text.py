@@ -4,6 +4,10 @@ reads from them; and the program of a module without its names (`canonical`). Pu
 processing (no JAX), but `module_text`, which prints a compiled executable."""
 from __future__ import annotations
 
+if __name__ == "__main__":   # before the imports: Ctrl-C while starting is one line, exit 75
+  from s24jax.cli import command
+  command.guard_startup("s24jax.perf.hlo_text")
+
 import dataclasses
 import hashlib
 import json
@@ -43,6 +47,16 @@ NAME = re.compile(r"%([\w.\-]+)")
 # The tables after the computations: source files, functions, locations, and the stack frames
 # that instructions name by stack_frame_id.
 STACK_TABLES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
+
+
+# The attributes naming the computations an instruction calls.
+CALL_KEYS = ("calls", "to_apply", "body", "condition", "true_computation",
+             "false_computation", "branch_computations")
+
+
+class NotHlo(ValueError):
+  """Text `parse` cannot read as an HLO module (another file, or one cut short): the message
+  says where."""
 
 
 def _matching(text: str, start: int) -> int:
@@ -102,12 +116,13 @@ class Module:
 
 
 def parse(text: str) -> Module:
-  """The computations and the stack-frame table of an HLO module's text."""
+  """The computations and the stack-frame table of an HLO module's text (NotHlo if it is
+  not one)."""
   comps: dict[str, Computation] = {}
   entry, cur, root = "", None, ""
   tables: dict[str, dict[int, str]] = {name: {} for name in STACK_TABLES}
   table = None
-  for line in text.splitlines():
+  for number, line in enumerate(text.splitlines(), 1):
     if line in tables:
       table = line
       continue
@@ -129,13 +144,24 @@ def parse(text: str) -> Module:
       comps[name] = Computation(name, cur, root or (list(cur)[-1] if cur else ""))
       cur = None
       continue
-    instr = _parse_instr(line)
+    try:
+      instr = _parse_instr(line)
+    except ValueError as e:   # str.index's and _matching's: not an instruction's syntax
+      raise NotHlo(f"line {number}: not an HLO instruction ({e}): {line.strip()[:120]}") from e
     if instr is not None:
       cur[instr.name] = instr
       if line.lstrip().startswith("ROOT "):
         root = instr.name
+  if cur is not None:
+    raise NotHlo(f"the text ends inside computation {name!r} (cut short?)")
   if not entry:
-    raise ValueError("no ENTRY computation in the HLO text")
+    raise NotHlo("no ENTRY computation in it")
+  for comp in comps.values():   # a module cut or edited: what it calls is not in the text
+    for instr in comp.instrs.values():
+      missing = [c for c in callees(instr.attrs, CALL_KEYS) if c not in comps]
+      if missing:
+        raise NotHlo(f"{instr.name} in {comp.name!r} calls {missing[0]!r}, which the text "
+                     "does not hold")
   files = {k: v.strip('"') for k, v in tables["FileNames"].items()}
   funcs = {k: v.strip('"') for k, v in tables["FunctionNames"].items()}
   locs = {}
@@ -290,3 +316,10 @@ def canonical(text: str) -> str:
   text = re.sub(r"\b(param_\d+)\.\d+", r"\1", "\n".join(lines))
   names: dict[str, str] = {}
   return NAME.sub(lambda m: names.setdefault(m.group(1), f"%v{len(names)}"), text)
+
+
+if __name__ == "__main__":   # a part of a tool: --help says which (not_a_command.py)
+  from s24jax.perf import not_a_command
+  raise SystemExit(not_a_command.answer(
+      "s24jax.perf.hlo_text", __doc__,
+      "python -m s24jax.perf.step_time census --hlo FILE_OR_DUMP_DIR"))

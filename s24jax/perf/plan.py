@@ -24,21 +24,28 @@ compiles the real `train.train_step`, sharded over `--devices` compile-only GPUs
     rematerialization cannot hide the need) and the accumulation that keeps the global batch.
 
 It is also a compile-only check: a config that does not compile for the GPU fails here with
-XLA's error. Exit code (s24jax/errors.py): 0 if it fits, 6 if it compiles but does not fit,
-2 for a user error (a bad argument, config file or value: checked before the compile plugin
-is looked for; or no compile plugin; or a --json this process cannot write), one line; 5 if
-the --json report could not be written after the compile (a full disk; the report is printed
-first, the file left as it was); 1 for an internal error (a traceback, XLA's compile errors
-included).
+XLA's error. Exit code (s24jax/errors.py; the error path of every command,
+s24jax/cli/command.py): 0 if it fits, 6 if it compiles but does not fit, 2 for a user error
+(a bad argument, config file or value, every one checked before the compile plugin is looked
+for; or no compile plugin; or a --json this process cannot write, or a file there that is not
+a plan report), one line; 5 if the --json report could not be written after the compile (a
+full disk; the report is printed first, the file left as it was; a missing folder is made);
+75 Ctrl-C, one line, nothing written; 1 for an internal error (a traceback, XLA's compile
+errors included).
 Compile-time facts and limits: kernels/aot.py; the measured table is in docs/scaling.md.
 """
 from __future__ import annotations
 
+from s24jax.cli import command
+
+if __name__ == "__main__":   # before the imports (jax): Ctrl-C while starting is one line
+  command.guard_startup("s24jax.perf.plan")
+
+# pylint: disable=wrong-import-position
 import argparse
 import dataclasses
 import json
 import math
-import os
 import re
 import sys
 import time
@@ -46,6 +53,8 @@ from typing import Any
 
 from s24jax import destinations
 from s24jax import errors
+from s24jax.cli import args as cli_args
+from s24jax.perf import outputs
 from s24jax.perf import plan_gemms
 from s24jax.kernels import aot
 from s24jax.kernels.cusparselt import rules as cusparselt_rules
@@ -315,66 +324,60 @@ def format_report(r: dict[str, Any]) -> str:
   return "\n".join(lines)
 
 
-def _check_args(args) -> None:
-  """The arguments that need no config and no compiler (UserError)."""
-  if args.gpu not in aot.TARGETS:
-    raise errors.UserError(f"--gpu {args.gpu!r}: not one of {', '.join(aot.TARGETS)}")
-  if args.devices < 1:
-    raise errors.UserError(f"--devices {args.devices}: must be >= 1")
-  if args.micro is not None and args.micro < 1:
-    raise errors.UserError(f"--micro {args.micro}: must be >= 1 (sequences per device)")
-  if not 0 <= args.headroom < 1:
-    raise errors.UserError(f"--headroom {args.headroom}: must be in [0, 1)")
+def _headroom(text: str) -> float:
+  """--headroom: a share of the GPU's memory in [0, 1)."""
+  value = cli_args.number(minimum=0)(text)
+  if value >= 1:
+    raise argparse.ArgumentTypeError(f"{value:g} must be below 1 (a share of the GPU's memory)")
+  return value
 
 
-def main(argv=None) -> int:
-  p = argparse.ArgumentParser(prog="python -m s24jax.perf.plan", description=__doc__.split("\n")[0])
+_REPORT = destinations.json_with_keys("fits", "gpu")   # what --json may replace: a plan report
+
+
+def _parser() -> argparse.ArgumentParser:
+  p = command.Parser(prog="python -m s24jax.perf.plan", description=__doc__.split("\n")[0])
   p.add_argument("--config", required=True, help="experiments/X.py[:variant]")
-  p.add_argument("--gpu", default="h100", help="a100, h100 or b200")
-  p.add_argument("--devices", type=int, default=1)
+  p.add_argument("--gpu", default="h100", choices=aot.TARGETS)
+  p.add_argument("--devices", type=cli_args.integer(minimum=1), default=1)
   p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                  help="config override, e.g. model.remat=full (repeatable; values are "
                       "read as in s24jax/config_files.py)")
-  p.add_argument("--micro", type=int, default=None,
+  p.add_argument("--micro", type=cli_args.integer(minimum=1), default=None,
                  help="sequences per device per micro-batch (default: the config's)")
   p.add_argument("--no-search", action="store_true", help="skip the micro-batch search")
-  p.add_argument("--headroom", type=float, default=HEADROOM)
-  p.add_argument("--json", default="", help="write the report here")
-  args = p.parse_args(argv)   # argparse: a malformed command line exits 2 with its usage
+  p.add_argument("--headroom", type=_headroom, default=HEADROOM)
+  p.add_argument("--json", default=None, help="write the report here",
+                 type=cli_args.output_file("a plan report", "--json", replaces=_REPORT))
+  return p
+
+
+def main(argv=None) -> int:
+  """The planner's exit code (the module docstring)."""
+  return command.run(_main, argv, name="s24jax.perf.plan")
+
+
+def _main(argv) -> int:
+  argv = sys.argv[1:] if argv is None else list(argv)
+  args = _parser().parse_args(argv)   # the arguments, --json's place included
   from s24jax.training import validate   # pylint: disable=g-import-not-at-top (jax, the data pipeline)
+  config = validate.load_config(args.config, args=args.set)
   try:
-    # The arguments and the config first (loading it starts no JAX backend), then the plugin.
-    _check_args(args)
-    config = validate.load_config(args.config, args=args.set)
-    validate.check_fields(config)
-    if args.json:   # where the report goes, before minutes of compiling
-      destinations.check_file(args.json, what="a plan report", flag="--json",
-                              replaces=destinations.json_with_keys("fits", "gpu"))
-    try:
-      aot.start()
-    except aot.PluginMissing as e:
-      raise errors.UserError(str(e)) from None
-    validate.check_config(config)
-    with errors.user_errors(ValueError):   # the batch against --devices and --micro
-      report = plan(config, args.gpu, args.devices, micro=args.micro,
-                    search=not args.no_search, headroom=args.headroom)
-  except errors.UserError as e:
-    print(f"s24jax.perf.plan: {e}", file=sys.stderr)
-    return e.exit_code
-  except KeyboardInterrupt:
-    print("s24jax.perf.plan: stopped by SIGINT; nothing was written", file=sys.stderr)
-    return errors.EXIT_PREEMPTED
-  report["command"] = " ".join(["python -m s24jax.perf.plan"] + (argv or sys.argv[1:]))
+    aot.start()   # first its platform (the CPU, before check_config starts a backend) ...
+    missing = None
+  except aot.PluginMissing as e:
+    missing = e   # ... then the plugin, said after the config's own errors
+  validate.check_config(config)
+  if missing is not None:
+    raise errors.UserError(str(missing))
+  with errors.user_errors(ValueError):   # the batch against --devices and --micro
+    report = plan(config, args.gpu, args.devices, micro=args.micro,
+                  search=not args.no_search, headroom=args.headroom)
+  report["command"] = " ".join(["python -m s24jax.perf.plan"] + argv)
   print(format_report(report))
   if args.json:
-    try:
-      folder = os.path.dirname(os.path.abspath(args.json))
-      with destinations.writing(f"the report {args.json}", "The report above is complete; "
-                                "the file is as it was", folder):
-        destinations.write_atomic(args.json, json.dumps(report, indent=2))
-    except errors.KnownError as e:
-      print(f"s24jax.perf.plan: {e}", file=sys.stderr)
-      return e.exit_code
+    outputs.write(args.json, json.dumps(report, indent=2), what="the plan report",
+                  replaces=_REPORT, intact="The report above is complete; the file is as it was")
   return errors.EXIT_OK if report["fits"] else errors.EXIT_DOES_NOT_FIT
 
 

@@ -6,6 +6,10 @@ planning, so a GEMM without times runs dense under 'measured').
 """
 from __future__ import annotations
 
+if __name__ == "__main__":   # before the imports: Ctrl-C while starting is one line, exit 75
+  from s24jax.cli import command
+  command.guard_startup("s24jax.perf.plan_gemms")
+
 import math
 from typing import Any
 
@@ -80,3 +84,11 @@ def format_lines(r: dict[str, Any]) -> list[str]:
                + (f" ({unknown} chosen 2:4 GEMM(s) without times not counted)" if unknown
                   else ""))
   return lines
+
+
+if __name__ == "__main__":   # a part of a tool: --help says which (not_a_command.py)
+  from s24jax.perf import not_a_command
+  raise SystemExit(not_a_command.answer(
+      "s24jax.perf.plan_gemms", __doc__,
+      "python -m s24jax.perf.plan --config experiments/X.py[:variant] "
+      "[--set sparsity.backend=cusparselt]"))

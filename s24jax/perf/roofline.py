@@ -33,6 +33,10 @@ that GPU's peaks (`bounds`): the model is per device, fitted per device.
 """
 from __future__ import annotations
 
+if __name__ == "__main__":   # before the imports: Ctrl-C while starting is one line, exit 75
+  from s24jax.cli import command
+  command.guard_startup("s24jax.perf.roofline")
+
 import dataclasses
 from typing import Iterable, Sequence
 
@@ -248,3 +252,10 @@ def fit(rows: Sequence[Row], table: SparseTable | None = None, *, starts: int = 
     if best is None or res.cost < best.cost:
       best = res
   return constants(best.x)
+
+
+if __name__ == "__main__":   # a part of a tool: --help says which (not_a_command.py)
+  from s24jax.perf import not_a_command
+  raise SystemExit(not_a_command.answer(
+      "s24jax.perf.roofline", __doc__,
+      "python -m s24jax.perf.step_time report"))

@@ -32,6 +32,10 @@ tests/perf/test_step_census.py checks the census on hand-written HLO and on comp
 """
 from __future__ import annotations
 
+if __name__ == "__main__":   # before the imports: Ctrl-C while starting is one line, exit 75
+  from s24jax.cli import command
+  command.guard_startup("s24jax.perf.step_census")
+
 import collections
 import dataclasses
 import math
@@ -383,3 +387,11 @@ def summarize(kernels: Iterable[Kernel], *, branches: str = "exclude") -> dict[s
     r.flops += k.count * k.flops
     r.bytes += k.count * k.bytes
   return rows
+
+
+if __name__ == "__main__":   # a part of a tool: --help says which (not_a_command.py)
+  from s24jax.perf import not_a_command
+  raise SystemExit(not_a_command.answer(
+      "s24jax.perf.step_census", __doc__,
+      "python -m s24jax.perf.step_time census "
+      "(--config experiments/X.py[:variant] | --hlo FILE_OR_DUMP_DIR)"))

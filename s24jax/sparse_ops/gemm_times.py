@@ -151,7 +151,10 @@ class Times:
 
 
 def _fail(path, what: str):
-  raise ValueError(f"sparsity.gemm_table {str(path)!r}: {what} (format: s24jax/sparse_ops/"
+  # The file by its role: the table the config names, or this machine's cache (same format).
+  role = ("the GEMM time cache" if os.path.abspath(path) == os.path.abspath(cache_file())
+          else "sparsity.gemm_table")
+  raise ValueError(f"{role} {str(path)!r}: {what} (format: s24jax/sparse_ops/"
                    "gemm_times.py, TABLE_FORMAT)")
 
 

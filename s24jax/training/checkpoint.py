@@ -5,11 +5,13 @@ What happens to each kind of bad checkpoint (docs/resuming.md):
   is never overwritten: `find_mismatch` finds it before anything is written (s24jax/training/validate.py
   names the config fields that differ), and restoring raises `CheckpointMismatchError` too;
   the workdir is left exactly as it was;
-- one that cannot be read (a truncated file, a partial copy, a flaky disk) is skipped with a
-  loud warning and the newest readable one is restored; the damaged ones newer than it are
-  moved aside to `<workdir>/checkpoints_damaged/`, never deleted, so the run can save those
-  steps again;
-- if none can be read, `NoReadableCheckpointError`, and nothing is moved;
+- one that cannot be read (a truncated file, a partial copy, a flaky disk) is skipped and the
+  newest readable one is restored; the damaged ones newer than it are moved aside to
+  `<workdir>/checkpoints_damaged/`, never deleted, so the run can save those steps again; one
+  warning line says so (the steps, their folder, why: the library's error of one line, not
+  its dump of the array's spec);
+- if none can be read, `NoReadableCheckpointError` (one line, the newest's reason), and
+  nothing is moved;
 - a save that fails (a full disk: ENOSPC) raises `CheckpointSaveError`, which stops the run
   within a step of the failure (`Checkpointer.poll`, every step), naming the step, its path and
   the previous checkpoint. Orbax writes a checkpoint to a temporary directory and renames it
@@ -191,16 +193,20 @@ DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 def reason(e: BaseException) -> str:
-  """Why a write failed, in one short line: 'No space left on device (the disk is full)'
-  wherever in the chain of causes that is (Orbax wraps tensorstore's error in a ValueError),
-  else the error's first line."""
-  seen, x = set(), e
+  """Why a read or write failed, in one short line: 'No space left on device (the disk is
+  full)' wherever in the chain of causes that is (Orbax wraps tensorstore's error in a
+  ValueError), else the first error of the chain whose message is one line (a failed read's
+  is Orbax's, then tensorstore's message of one line under it: the array, the file, what is
+  wrong with it), else the error's first line."""
+  seen, x, chain = set(), e, []
   while x is not None and id(x) not in seen:
     seen.add(id(x))
     if (isinstance(x, OSError) and x.errno in DISK_FULL) or "No space left on device" in str(x):
       return "No space left on device: the disk is full"
+    chain.append(x)
     x = x.__cause__ or x.__context__
-  return f"{type(e).__name__}: {e}".splitlines()[0][:300]
+  x = next((c for c in chain if len(str(c).strip().splitlines()) == 1), e)
+  return f"{type(x).__name__}: {x}".strip().splitlines()[0][:300]
 
 
 class Checkpointer:
@@ -231,28 +237,39 @@ class Checkpointer:
     if not steps:
       return state
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
-    damaged = []
+    damaged: dict[int, str] = {}   # step -> why it cannot be read, newest first
     for step in steps:
       self._check_compatible(step, state)   # a mismatch stops here: nothing is changed
       try:
         restored = self.manager.restore(step, args=ocp.args.StandardRestore(abstract))
       except Exception as e:  # pylint: disable=broad-except
-        logging.warning("CHECKPOINT DAMAGED: the checkpoint at step %d in %s cannot be read "
-                        "(%s); trying the one before it.", step, self.directory, reason(e))
-        damaged.append(step)
+        damaged[step] = reason(e)
         continue
       if damaged:
-        self._set_aside(damaged)
-        logging.warning("resuming from step %d, the newest readable checkpoint; the damaged "
-                        "ones (steps %s) were moved to %s", step, damaged, self.damaged_dir)
+        self._set_aside(list(damaged))
+        logging.warning("%s", self._damaged_line(damaged, step))
       logging.info("restored checkpoint at step %d from %s", step, self.directory)
       return restored
     raise NoReadableCheckpointError(
         f"none of the checkpoints in {self.directory} (steps {steps}) can be read into the "
-        "state this config builds (the warnings above say why for each). Nothing in the "
+        f"state this config builds (step {steps[0]}: {damaged[steps[0]]}). Nothing in the "
         "workdir was changed but its train.log. If they were written by another config, use "
         "that config (workdir/config.json); otherwise restore them from a copy, or start a "
         "new --workdir.")
+
+  def _damaged_line(self, damaged: dict[int, str], restored: int) -> str:
+    """The one line that says which checkpoints could not be read (`damaged`), why, where
+    they went and what the run does: it resumes from `restored`."""
+    newest = next(iter(damaged))
+    one = len(damaged) == 1
+    what = (f"the checkpoint of step {newest} ({self.path(newest)})" if one else
+            f"the checkpoints of steps {', '.join(map(str, damaged))} in {self.directory}")
+    why = damaged[newest] if one else f"step {newest}: {damaged[newest]}"
+    moved, it = ("it was", "it") if one else ("they were", "them")
+    return (f"CHECKPOINT DAMAGED: {what} cannot be read ({why}). Resuming from step "
+            f"{restored}, the newest readable checkpoint (the steps after it are trained "
+            f"again); {moved} moved to {self.damaged_dir}, not deleted: delete {it} once no "
+            "longer needed.")
 
   @property
   def damaged_dir(self) -> str:

@@ -102,8 +102,10 @@ def compile_first_step(config, spec, partitioner, model_cfg, model, tx, batch, *
   needed = needed_bytes(compiled)
   capacity, what = device_capacity(dev)
   if capacity and needed > capacity * (1 - HEADROOM):
-    raise DoesNotFit(_does_not_fit(config, spec, partitioner, model, tx, batch, needed,
-                                   capacity, what, dev, source))
+    message = _does_not_fit(config, spec, partitioner, model, tx, batch, needed, capacity,
+                            what, dev, source)
+    cost = cpu_cost(config, compiled) if dev.platform == "cpu" else None
+    raise DoesNotFit(f"{message} ({cost}.)" if cost else message)
   if dev.platform == "cpu":
     say_cpu_cost(config, compiled)
   return FirstStep(model_cfg, compiled, needed)
@@ -196,23 +198,30 @@ def matmul_flops_per_second(n: int = 1024, repeats: int = 3) -> float:
   return 2 * n ** 3 / best
 
 
-def say_cpu_cost(config, compiled) -> None:
-  """Logs what a step costs on this CPU and how long the run would take at that rate."""
+def cpu_cost(config, compiled) -> str | None:
+  """What a step costs on this CPU and how long the run would take at that rate, in words
+  (None where XLA gives no FLOP count)."""
   try:
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     flops = float(cost.get("flops", 0.0))
   except Exception:  # pylint: disable=broad-except  (an estimate, never a reason to stop)
-    return
+    return None
   if flops <= 0:
-    return
+    return None
   rate = matmul_flops_per_second()
   seconds = flops / rate
-  total = seconds * config.total_steps
-  logging.info("on this CPU a train step costs about %s (%.3g GFLOP at the %.3g GFLOP/s "
-                  "of a float32 matmul timed here): %d steps would take about %s",
-                  _duration(seconds), flops / 1e9, rate / 1e9, config.total_steps,
-                  _duration(total))
+  return (f"on this CPU a train step costs about {_duration(seconds)} ({flops / 1e9:.3g} "
+          f"GFLOP at the {rate / 1e9:.3g} GFLOP/s of a float32 matmul timed here): "
+          f"{config.total_steps} steps would take about "
+          f"{_duration(seconds * config.total_steps)}")
+
+
+def say_cpu_cost(config, compiled) -> None:
+  """Logs `cpu_cost` at the start of a run on a CPU."""
+  line = cpu_cost(config, compiled)
+  if line:
+    logging.info("%s", line)
 
 
 def _duration(seconds: float) -> str:

@@ -42,22 +42,32 @@ def read_hf_dir(path: str | os.PathLike[str], model_cfg: model_lib.ModelConfig,
   path = pathlib.Path(path).expanduser()
   layout = hf_layouts.layout(model_cfg)
   arch = layout.architecture(model_cfg)
+  where = f"config.init_from={path}"   # every message names the field the user set
+  expected = (f"expected a local {arch} directory (transformers' save_pretrained, or python -m "
+              "s24jax.cli.export)")
+  if not path.is_dir():
+    what = ("does not exist" if not os.path.lexists(path) else
+            f"is a symbolic link to {os.readlink(path)}, which does not exist"
+            if path.is_symlink() and not path.exists() else "is a file, not a folder")
+    raise ExportError(f"{where} {what}: {expected}")
   if (path / ckpt_lib.CHECKPOINTS).is_dir() or (path / "metrics.jsonl").is_file():
-    raise ExportError(f"init_from={str(path)!r} is an s24jax run's workdir, not a Hugging Face "
+    raise ExportError(f"{where} is an s24jax run's workdir, not a Hugging Face "
                       "directory: export it first: python -m s24jax.cli.export --workdir "
                       f"{path} --out {path / 'hf'}, then --config.init_from={path / 'hf'}")
   if not (path / "config.json").is_file():
-    raise ExportError(f"init_from={str(path)!r}: no config.json there; expected a local "
-                      f"{arch} directory (save_pretrained, or python -m s24jax.cli.export)")
+    raise ExportError(f"{where}: no config.json there; {expected}")
   cfg = hf_tokenizer.read_json(path / "config.json")
+  if not isinstance(cfg, dict):
+    raise ExportError(f"{where}: its config.json holds a JSON {type(cfg).__name__}, not the "
+                      f"object of a model's config; {expected}")
   wrong = layout.config_problems(cfg, model_cfg)
   if wrong:
-    raise ExportError(f"{path}/config.json does not describe the run's model ({arch}): "
+    raise ExportError(f"{where}: its config.json does not describe the run's model ({arch}): "
                       f"{'; '.join(wrong)}")
   try:
     hf_tokenizer.check(path, tokenizer)
   except hf_tokenizer.TokenizerFilesError as e:
-    raise ExportError(f"init_from: {e}; the run refuses to start from it") from e
+    raise ExportError(f"{where}: {e}; the run refuses to start from it") from e
   eps = cfg.get("layer_norm_epsilon", 1e-5)
   if layout is hf_layouts.GPT2 and eps != hf_layouts.LAYER_NORM_EPS:
     logging.warning("%s: layer_norm_epsilon %g; s24jax's LayerNorm uses %g (a small change of "
@@ -66,22 +76,28 @@ def read_hf_dir(path: str | os.PathLike[str], model_cfg: model_lib.ModelConfig,
   if (path / WEIGHTS).is_file():
     files = [path / WEIGHTS]
   elif index.is_file():
-    files = sorted({path / f for f in hf_tokenizer.read_json(index)["weight_map"].values()})
+    weight_map = hf_tokenizer.read_json(index)
+    weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str)
+                                                   for f in weight_map.values()):
+      raise ExportError(f"{where}: {index.name} has no weight_map of tensor names to files "
+                        "(as save_pretrained writes it)")
+    files = sorted({path / f for f in weight_map.values()})
   else:
-    raise ExportError(f"{path}: no {WEIGHTS} (or sharded model.safetensors.index.json); "
+    raise ExportError(f"{where}: no {WEIGHTS} (or sharded model.safetensors.index.json); "
                       "s24jax reads safetensors only (save_pretrained writes it)")
   state = {}
   for f in files:
     try:
       state.update(safetensors_np.load_file(str(f)))
     except Exception as e:  # pylint: disable=broad-except
-      raise ExportError(f"{f}: cannot be read as safetensors ({e})") from None
+      raise ExportError(f"{where}: {f} cannot be read as safetensors ({e})") from None
   head = state.get("lm_head.weight")
   wte = state.get("transformer.wte.weight", state.get("wte.weight"))
   if (layout is hf_layouts.GPT2 and head is not None and wte is not None
       and not np.array_equal(head, wte)):
-    raise ExportError(f"{path}: lm_head.weight differs from the token embedding; s24jax ties "
-                      "them")
+    raise ExportError(f"{where}: lm_head.weight differs from the token embedding; s24jax "
+                      "ties them")
   return state
 
 
@@ -90,7 +106,8 @@ def load_hf_params(model_cfg: model_lib.ModelConfig, params: Any, path: str,
   """The weights of the Hugging Face directory at `path` as params shaped like `params` (a fresh state's, or their
   ShapeDtypeStructs), after the checks of read_hf_dir."""
   state = read_hf_dir(path, model_cfg, tokenizer)
-  return hf_layouts.layout(model_cfg).from_hf(model_cfg, state, params, str(path))
+  return hf_layouts.layout(model_cfg).from_hf(model_cfg, state, params,
+                                              f"config.init_from={path}")
 
 
 def check_init_from(spec: RunSpec) -> None:

@@ -195,7 +195,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   step and checks that it fits the device's memory (fit.py: DoesNotFit, exit code 6, naming
   the nearest setting that fits; `source`: the config file, for that message), then calls
   `on_start()` (launch.py opens train.log there). SIGTERM / SIGINT stop it after the step in
-  flight, its checkpoint saved (preemption.Preempted)."""
+  flight, its checkpoint saved (preemption.Preempted); in its last step it ends as it would."""
   primary = jax.process_index() == 0
   lock = workdir_lib.WorkdirLock(workdir) if primary else contextlib.nullcontext()
   with lock, preemption.Guard() as guard:
@@ -209,6 +209,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     if run.step >= run.total and os.path.exists(final_path):
       logging.info("%s already trained to step %d; nothing to do", workdir, run.step)
       _close(run)
+      guard.stop_if_asked(run.step)   # a signal while it started said so (exit code 75)
       with open(final_path, encoding="utf-8") as f:
         return json.load(f)
     if primary:
@@ -217,6 +218,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     bar = tqdm(total=run.total, initial=run.step, dynamic_ncols=True, mininterval=1.0,
                disable=not primary)
     in_flight = None   # the metrics of the step before the one just dispatched
+    end = config.stop_at_step if run.step <= config.stop_at_step else run.total   # the last
     with _closing(run, bar):
       while run.step < run.total and run.step != config.stop_at_step:
         run.info = StepInfo.at(run.step, log_every=config.log_every, total=run.total)
@@ -234,7 +236,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
         jax.block_until_ready(in_flight)
         in_flight = metrics
         run.ckpt.poll()   # a failed save (a full disk) stops the run now, not at the next one
-        if run.step < run.total and guard.should_stop(run.step):
+        if run.step < run.total and guard.should_stop(run.step, end):
           save_and_stop(run, guard)
   if run.step == config.stop_at_step:
     logging.warning("stop_at_step=%d reached: leaving without a final checkpoint", run.step)
@@ -242,6 +244,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     with _closing(run), destinations.writing(final_path, "The checkpoints are intact."):
       destinations.write_atomic(final_path, json.dumps(   # a torn file would block the next run
           {k: float(v) for k, v in run.final.items() if v is not None}, indent=2))
+  guard.stop_if_asked(run.step)   # a stop said with no check left before the end: as said
   return run.final
 
 

@@ -51,13 +51,13 @@ def working(platform: str | None = None) -> list[str]:
   return [d for d in FLOATS if problem(d, platform) is None]
 
 
-def check(name: str) -> None:
-  """A UserError unless config.model.dtype `name` ('auto' resolved as the model resolves it)
-  is one the target device can train with."""
+def check(name: str, field: str = "config.model.dtype") -> None:
+  """A UserError unless the dtype `name` ('auto' resolved as the model resolves it) is one the
+  target device can train with; `field`: the setting the message names (a command's flag)."""
   dtype = jnp.dtype(layers.compute_dtype(name)).name
   platform = _common.target_device().platform
   why = problem(dtype, platform) if dtype != "float32" else None
   if why:
-    raise errors.UserError(f"config.model.dtype={name!r}: the {platform} device cannot train "
+    raise errors.UserError(f"{field}={name!r}: the {platform} device cannot train "
                            f"in {dtype} ({why}); dtypes that work here: "
                            f"{', '.join(working(platform))} ('auto' picks one)")

@@ -6,9 +6,11 @@ log_every), writes a checkpoint of that step (waiting for it), flushes the logs 
 with `Preempted`, which `launch.py` turns into exit code `EXIT_CODE` (75, EX_TEMPFAIL: "try
 again") so that a job script can requeue the run; re-running the same command resumes from
 that checkpoint. A signal during the start-up (`Guard.at_once`: the checks before the first
-write) stops the run at once, having written nothing. A second signal while it saves is acknowledged and ignored: Orbax writes
-into a temporary directory and renames it when complete, so even a SIGKILL then leaves the
-previous checkpoint intact.
+write) stops the run at once, having written nothing. A signal during the run's last step
+(no stop left before its end) lets it end as it would have, its final checkpoint saved, and
+says so: exit code 0. Each message says the exit code the run then has. A second signal
+while it saves is acknowledged and ignored: Orbax writes into a temporary directory and
+renames it when complete, so even a SIGKILL then leaves the previous checkpoint intact.
 
 Several processes (jax.distributed): they must stop at the same step, or the hosts would save
 different steps. JAX's preemption service (on by default under jax.distributed) catches
@@ -59,6 +61,7 @@ class Guard:
     self._old = {}
     self._distributed = jax.process_count() > 1
     self._at_once = False
+    self.finishing = False   # the run's last step is under way (`should_stop`)
 
   def __enter__(self) -> "Guard":
     if threading.current_thread() is not threading.main_thread():
@@ -93,7 +96,11 @@ class Guard:
     if self._at_once:
       self.signum = signum
       raise KeyboardInterrupt   # a BaseException: no library's `except Exception` eats it
-    if self.signum is None:
+    if self.finishing:   # no stop is left before the run's end: it ends as it would have
+      logging.warning("%s received during the run's last step: finishing the run as it would "
+                      "have ended anyway (exit code %d).", signal.Signals(signum).name,
+                      errors.EXIT_OK)
+    elif self.signum is None:
       self.signum = signum
       logging.warning("%s received: finishing the current step, then saving a checkpoint "
                       "and stopping (exit code %d).", signal.Signals(signum).name, EXIT_CODE)
@@ -102,11 +109,23 @@ class Guard:
                       "atomically, so stopping now would lose nothing but this step.",
                       signal.Signals(signum).name)
 
-  def should_stop(self, step: int) -> bool:
-    """Whether to stop after `step` steps (every process gives the same answer)."""
+  def should_stop(self, step: int, end: int) -> bool:
+    """Whether to stop after `step` steps (every process gives the same answer). `end`: the
+    step the run ends at (total_steps, or stop_at_step). Once the next step is the last, no
+    stop is left before the end: a signal then says that the run finishes (exit code 0), and
+    it does; a stop said before that (exit code 75) is made here, or by `stop_if_asked`."""
+    if step + 1 >= end:
+      self.finishing = True   # before reading the flag: a signal from here on is told the truth
     if self._distributed:
       return multihost_utils.reached_preemption_sync_point(step)
     return self.signum is not None
+
+  def stop_if_asked(self, step: int) -> None:
+    """Preempted, if a signal said the run would stop (exit code 75) but it reached its end
+    with no check left between (the signal came while it started, one step from the end):
+    the stop it said, `step`'s checkpoint being saved."""
+    if self.signum is not None:
+      raise Preempted(step, self.signum)
 
 
 # The metrics a stop leaves unlogged, so the resumed run logs what an uninterrupted one would.

@@ -4,7 +4,7 @@ Every problem a user can fix is a `errors.UserError` that names the field (or fi
 to do, raised before the workdir, its checkpoints or its logs are touched (the token cache,
 outside the workdir, may be built). In order, cheapest and most likely first:
 
-  the workdir    not a file, not a workdir of s24jax < 0.3 (`workdir.check_resumable`);
+  the workdir    not a file, not a workdir of s24jax < 0.3 (`workdir.check`);
   the config     values and ranges (`check_fields`: steps, lr, batch, seq_len, fractions,
                  periods, ...), the batch against the accumulation and the devices, the mesh,
                  MVUE's tokens per micro-batch, then the run itself (`RunSpec.build`: the
@@ -65,7 +65,8 @@ def load_config(spec: str, overrides=None, *, args=()) -> ml_collections.ConfigD
   one that does not run or has no get_config, an unknown variant, a bad override."""
   path = spec.partition(":")[0]
   if not os.path.isfile(path):
-    raise UserError(f"config file {path!r} not found (expected FILE.py[:variant], e.g. "
+    what = f"is {workdir_lib.what_is(path)}" if os.path.lexists(path) else "not found"
+    raise UserError(f"config file {path!r} {what} (expected FILE.py[:variant], e.g. "
                     "experiments/gpt2_s_ste.py:small)")
   with errors.user_errors(ValueError, TypeError, context=f"{spec}: "):
     return config_files.load_config(spec, overrides, args=args)
@@ -139,7 +140,6 @@ FIELD_RULES: tuple[tuple[str, Callable[[Any], str | None]], ...] = (
     ("sparsity.flip_rate_warn", _real(0.0)),
     ("act_sparsity.stats_sequences", _int(0)),
 )
-
 
 
 _MISSING = object()

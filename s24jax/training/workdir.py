@@ -1,22 +1,23 @@
 """One run per workdir, and the resolved config a run leaves in it.
 
-A run holds `<workdir>/run.lock` (JSON: host, pid, start time) from before it writes anything
-until it ends. A second run on the same workdir stops at once with an error that names the
-holder (`WorkdirLockedError`), writing nothing. The lock is written whole (a temporary file
-linked to its name), so a crash or a full disk never leaves half a lock. A lock left by a
-process that is no longer alive on this host is taken over with a warning, and so is an empty
-or unreadable one (what an older version's crash or a full disk left: no live run's lock looks
-like that); a lock held from another host is never taken over (its process cannot be checked
-from here): remove the file by hand if that run is gone.
+A run holds `<workdir>/run.lock` (JSON: host, pid, start time; written whole, a temporary file
+linked to its name, so a crash or a full disk never leaves half a lock) from before it writes
+anything until it ends; a second run on the workdir stops at once naming the holder
+(`WorkdirLockedError`), writing nothing. Taken over with a warning: a lock whose process is no
+longer alive on this host, and any file there that is not a whole lock of s24jax's (empty,
+garbled, `{}`: an older version's crash or a full disk; no live run's lock looks like that).
+Never taken over: a lock from another host (its process cannot be checked from here: remove
+it by hand if that run is gone) or one this process cannot read; something else named
+run.lock (a folder, a link, a pipe) is a `UserError`.
 
-The lock creates the workdir (and its missing parents) if needed, and removes what it
-created, if still empty, when released: a run stopped by a bad config leaves no trace. A
-workdir that cannot be created or written (a file in the way, no permission, a read-only
-filesystem, a full disk) is a `UserError`, one line, with nothing left behind.
+The lock creates the workdir (and its missing parents) if needed, and removes what it created,
+if still empty, when released. A workdir that cannot be created or written (a file or a
+dangling link in the way, no permission, a read-only filesystem, a full disk) is a
+`UserError`, one line naming what is in the way; nothing is left behind.
 
 `write_config` saves the resolved config as `config.json` at the first start; a resumed run
-writes `config.resumed_at_<step>.json` only when a field really changed, and names the
-changed fields in it and in a warning.
+writes `config.resumed_at_<step>.json` only when a field really changed, naming them in it and
+in a warning.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import socket
 import time
 import uuid
@@ -51,8 +53,24 @@ def _alive(pid: int) -> bool:
   except ProcessLookupError:
     return False
   except PermissionError:   # exists, owned by someone else
-    return True
+    pass
   return True
+
+
+def what_is(path: str) -> str:
+  """What the existing (or dangling) `path` is, in words, for a message about it."""
+  if os.path.islink(path):
+    gone = "" if os.path.exists(path) else " (which does not exist)"
+    return f"a symbolic link to {os.readlink(path)}{gone}"
+  return ("a folder" if os.path.isdir(path) else "a file" if os.path.isfile(path) else
+          "a special file (a pipe, socket or device)")
+
+
+def _is_lock(data: Any) -> bool:
+  """Whether `data` (a lock's JSON) is a whole lock as s24jax writes it (`acquire`'s `me`)."""
+  pid = data.get("pid") if isinstance(data, dict) else None
+  return (isinstance(pid, int) and not isinstance(pid, bool) and pid > 0
+          and isinstance(data.get("host"), str))
 
 
 class WorkdirLock:
@@ -62,12 +80,9 @@ class WorkdirLock:
   _held: dict[str, int] = {}   # lock path -> nesting depth, in this process
 
   def __init__(self, workdir: str):
-    self.path = os.path.join(os.path.abspath(workdir), LOCK_NAME)
+    self.workdir = os.path.abspath(workdir)
+    self.path = os.path.join(self.workdir, LOCK_NAME)
     self._created: list[str] = []   # the folders acquire() made, deepest first
-
-  @property
-  def workdir(self) -> str:
-    return os.path.dirname(self.path)
 
   def _make_workdir(self) -> None:
     folder = self.workdir
@@ -75,9 +90,12 @@ class WorkdirLock:
     while not os.path.lexists(folder):
       missing.append(folder)
       folder = os.path.dirname(folder)
-    if not os.path.isdir(folder):
-      raise errors.UserError(f"cannot create the workdir {self.workdir}: {folder} is a file, "
-                             "not a folder; choose another --workdir")
+    if not os.path.isdir(folder):   # a dangling link (a disk not mounted?): never created here
+      head = ("--workdir" if folder == self.workdir else
+              f"cannot create the workdir {self.workdir}:")
+      fix = "" if os.path.exists(folder) else f"mount or create {os.path.realpath(folder)}, or "
+      raise errors.UserError(f"{head} {folder} is {what_is(folder)}, not a folder: {fix}choose "
+                             "another --workdir (nothing was written)")
     try:
       os.makedirs(self.workdir, exist_ok=True)
     except OSError as e:
@@ -88,22 +106,19 @@ class WorkdirLock:
     self._created = missing
 
   def holder(self) -> dict[str, Any] | None:
-    """The lock's content; None without a lock; {'unreadable': size in bytes, ...} for a lock
-    that is not the JSON object s24jax writes."""
+    """The lock's content; None without one; {'unreadable': size in bytes, ...} for one that is
+    not a whole lock as s24jax writes it (`_is_lock`); pid '?' for one it cannot read."""
     try:
-      with open(self.path, encoding="utf-8") as f:
-        data = json.load(f)
-      if isinstance(data, dict):
-        return data
+      with open(self.path, "rb") as f:
+        raw = f.read()
     except FileNotFoundError:
       return None
-    except (OSError, ValueError):
-      pass
-    try:
-      size = os.path.getsize(self.path)
-    except OSError:
-      return None
-    return {"host": "?", "pid": -1, "started": "?", "unreadable": size}
+    except OSError:   # no permission to read it: another user's, held as far as we can tell
+      return {"host": "?", "pid": "?", "started": "?"}
+    with contextlib.suppress(ValueError):
+      if _is_lock(data := json.loads(raw)):
+        return data
+    return {"host": "?", "pid": -1, "started": "?", "unreadable": len(raw)}
 
   def _create(self, me: dict[str, Any]) -> bool:
     """Writes the lock whole, atomically: a temporary file linked to the lock's name (which
@@ -139,10 +154,9 @@ class WorkdirLock:
   def _stale(self, other: dict[str, Any], me: dict[str, Any]) -> str | None:
     """Why the lock `other` can be taken over (None: it cannot)."""
     if "unreadable" in other:
-      # s24jax writes its lock whole (`_create`): an empty or garbled one is what an older
-      # version's crash or a full disk left, never a live run's.
-      return (f"it is not a lock s24jax writes ({other['unreadable']} bytes: what a crash or "
-              "a full disk while writing it leaves)")
+      # s24jax writes its lock whole (`_create`): anything less was never a live run's.
+      return (f"it is not a lock s24jax writes ({other['unreadable']} bytes; no live run's "
+              "lock looks like that)")
     if (other.get("host") == me["host"] and isinstance(other.get("pid"), int)
         and not _alive(other["pid"])):
       return (f"its holder (pid {other.get('pid')} on {other.get('host')}, started "
@@ -169,6 +183,10 @@ class WorkdirLock:
       if created:
         self._held[self.path] = 1
         return
+      kind = what_is(self.path) if os.path.lexists(self.path) else "a file"
+      if kind != "a file":   # a folder, a link, a pipe: neither read nor removed here
+        raise errors.UserError(f"{self.path} is {kind}, not a lock s24jax writes: move it out "
+                               "of the workdir (nothing was written)")
       other = self.holder()
       if other is None:   # released between the two calls: try again
         continue
@@ -196,17 +214,15 @@ class WorkdirLock:
     holder = self.holder()
     if holder and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
       try:
-        os.remove(self.path)
-      except FileNotFoundError:
-        pass
+        with contextlib.suppress(FileNotFoundError):
+          os.remove(self.path)
       except OSError as e:   # the folder made read-only meanwhile: the run is over anyway
         logging.warning("cannot remove %s (%s): a later run on this host takes it over, "
                         "this process being gone", self.path, destinations.reason(e))
     self._remove_created()
 
   def _remove_created(self) -> None:
-    """The folders acquire() created, if nothing was written in them (a stop before the run
-    started: a bad config, a busy workdir)."""
+    """The folders acquire() created, if still empty (a stop before the run wrote anything)."""
     for folder in self._created:
       try:
         os.rmdir(folder)   # only if empty
@@ -225,8 +241,7 @@ class WorkdirLock:
 # ---------------------------------------------------------------------------------------------
 # What a run keeps in its workdir.
 
-# A file where the run keeps a folder, or the reverse, would fail a write midway (after others
-# were made, e.g. metrics.jsonl moved aside): `check_layout` finds it before anything is written.
+# A file where the run keeps a folder, or back, fails a write midway: `check_layout` finds it first.
 RUN_FOLDERS = ("checkpoints", "checkpoints_damaged", "tensorboard")
 DATA_FINGERPRINT = "data_fingerprint.json"
 RUN_FILES = ("config.json", "metrics.jsonl", "metrics.superseded.jsonl", "metrics.jsonl.torn",
@@ -237,19 +252,25 @@ RUN_FILES = ("config.json", "metrics.jsonl", "metrics.superseded.jsonl", "metric
 def check(workdir: str) -> None:
   """Before a run writes anything (UserError otherwise): the workdir is a folder (or absent),
   each of the run's entries of its kind (`check_layout`), its metrics log readable up to a
-  torn last line, and not a workdir of s24jax < 0.3 (`check_resumable`)."""
-  if os.path.exists(workdir) and not os.path.isdir(workdir):
-    raise errors.UserError(f"--workdir {workdir} is a file, not a folder: choose another "
-                           "--workdir")
+  torn last line, and not a workdir of s24jax < 0.3 (the old key `projection` in its
+  sparsity block: a train state this version cannot resume)."""
+  if os.path.lexists(workdir) and not os.path.isdir(workdir):
+    raise errors.UserError(f"--workdir {workdir} is {what_is(workdir)}, not a folder: choose "
+                           "another --workdir (nothing was written)")
   check_layout(workdir)
   if os.path.isfile(os.path.join(workdir, "metrics.jsonl")):
     metrics_lib.split_jsonl(os.path.join(workdir, "metrics.jsonl"))
-  check_resumable(workdir)
+  old = last_config(workdir)
+  if old and "projection" in old.get("sparsity", {}):
+    raise errors.UserError(
+        f"{workdir} was written by s24jax < 0.3: its config.json names the method under the "
+        "old key 'projection', now sparsity.method, and its checkpoints hold the old train "
+        "state (no method_state). Start a new --workdir, with --config.sparsity.method="
+        f"{old['sparsity']['projection']!r}.")
 
 
 def check_layout(workdir: str) -> None:
-  """A UserError if an entry of the workdir is a file where the run keeps a folder, or a
-  folder where it keeps a file."""
+  """A UserError if an entry of the workdir is a file where the run keeps a folder, or back."""
   for names, want_dir, kind in ((RUN_FOLDERS, True, "a folder"), (RUN_FILES, False, "a file")):
     for name in names:
       path = os.path.join(workdir, name)
@@ -312,16 +333,14 @@ def changed_fields(old: dict[str, Any], new: dict[str, Any]) -> dict[str, dict[s
           if a.get(k) != b.get(k)}
 
 
+_RESUMED = re.compile(r"config\.resumed_at_(\d+)\.json")
+
+
 def last_config_path(workdir: str) -> str | None:
   """The file of the config the workdir's runs last used: the newest
   config.resumed_at_*.json, else config.json; None for a new workdir."""
-  resumed = []
-  for name in os.listdir(workdir) if os.path.isdir(workdir) else ():
-    if name.startswith("config.resumed_at_") and name.endswith(".json"):
-      try:
-        resumed.append((int(name[len("config.resumed_at_"):-len(".json")]), name))
-      except ValueError:
-        continue
+  names = os.listdir(workdir) if os.path.isdir(workdir) else ()
+  resumed = [(int(m[1]), m[0]) for m in map(_RESUMED.fullmatch, names) if m]
   for name in [n for _, n in sorted(resumed, reverse=True)] + ["config.json"]:
     path = os.path.join(workdir, name)
     if os.path.exists(path):
@@ -343,25 +362,11 @@ def last_config(workdir: str) -> dict[str, Any] | None:
   return data.get("config", data) if os.path.basename(path) != "config.json" else data
 
 
-def check_resumable(workdir: str) -> None:
-  """A workdir written before 0.3 (the old key `projection` in its sparsity block) holds a
-  train state this version cannot resume: say so, naming the new key, before anything is
-  read."""
-  old = last_config(workdir)
-  if old and "projection" in old.get("sparsity", {}):
-    raise errors.UserError(
-        f"{workdir} was written by s24jax < 0.3: its config.json names the method under the "
-        "old key 'projection', now sparsity.method, and its checkpoints hold the old train "
-        "state (no method_state). Start a new --workdir, with --config.sparsity.method="
-        f"{old['sparsity']['projection']!r}.")
-
-
 def write_config(workdir: str, config: config_dict.ConfigDict, step: int,
                  data: Any = None) -> str | None:
   """Saves the resolved config: config.json at the first start (never overwritten); after a
-  resume, config.resumed_at_<step>.json only if a field changed ({'changed': ..., 'config':
-  ...}); and the data's fingerprint (`data`: cache.TokenData) when it is new. Returns the
-  config's path written, or None."""
+  resume, config.resumed_at_<step>.json only if a field changed ({'changed', 'config'}); and
+  the data's fingerprint (`data`: cache.TokenData) when new. Its path written, or None."""
   if data is not None:
     _record_data(workdir, data, step)
   new = as_json(config)
@@ -383,9 +388,8 @@ def write_config(workdir: str, config: config_dict.ConfigDict, step: int,
 
 def supersede_metrics(workdir: str) -> None:
   """A run that starts at step 0 in a workdir with a metrics.jsonl (an earlier attempt killed
-  before or during its first periodic checkpoint, resumed from the step-0 checkpoint or
-  from scratch): that attempt's records move to metrics.superseded.jsonl, so metrics.jsonl
-  is the new run's alone, as after a resume from any other step (s24jax/metrics.py)."""
+  before or during its first periodic checkpoint): that attempt's records move to
+  metrics.superseded.jsonl, so metrics.jsonl is the new run's alone (s24jax/metrics.py)."""
   path = os.path.join(workdir, "metrics.jsonl")
   if not os.path.exists(path):
     return

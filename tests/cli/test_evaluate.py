@@ -330,16 +330,15 @@ def test_cli_errors_change_nothing(undisturbed, tmp_path, capsys, monkeypatch):
   assert evaluate.main(["--workdir", undisturbed, "--tasks", "piqa,nosuchtask",
                         *common]) == errors.EXIT_USER
   assert "unknown task 'nosuchtask'" in capsys.readouterr().err
-  assert evaluate.main(["--workdir", str(tmp_path / "none"), "--tasks", "piqa",
+  (tmp_path / "empty").mkdir()
+  assert evaluate.main(["--workdir", str(tmp_path / "empty"), "--tasks", "piqa",
                         *common]) == errors.EXIT_USER
-  assert "no such workdir" in capsys.readouterr().err
+  assert "no config.json" in capsys.readouterr().err
   assert evaluate.main(["--workdir", undisturbed, "--tasks", "piqa", "--step", "5",
                         *common]) == errors.EXIT_USER
   assert "no checkpoint of step 5" in capsys.readouterr().err
-  assert evaluate.main(["--workdir", undisturbed, "--tasks", "piqa", "--limit", "0",
-                        *common]) == errors.EXIT_USER
-  assert "--limit must be >= 1" in capsys.readouterr().err
-  assert sorted(os.listdir(tmp_path)) == before
+  assert sorted(os.listdir(tmp_path)) == sorted(before + ["empty"])
+  assert not os.listdir(tmp_path / "empty")   # (bad arguments: tests/cli/test_evaluate_errors.py)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -338,9 +338,10 @@ def test_cli_exports_the_trained_run(undisturbed, tmp_path):
 
 def test_cli_errors_change_nothing(undisturbed, tmp_path, capsys):
   before = sorted(os.listdir(tmp_path))
-  assert export.main(["--workdir", str(tmp_path / "none"),
-                      "--out", str(tmp_path / "a")]) == errors.EXIT_USER
-  assert "no such workdir" in capsys.readouterr().err
+  with pytest.raises(SystemExit) as stop:   # an argument's check (tests/cli/test_export_errors.py)
+    export.main(["--workdir", str(tmp_path / "none"), "--out", str(tmp_path / "a")])
+  assert stop.value.code == errors.EXIT_USER
+  assert f"{tmp_path / 'none'} does not exist" in capsys.readouterr().err
   (tmp_path / "empty").mkdir()
   assert export.main(["--workdir", str(tmp_path / "empty"),
                       "--out", str(tmp_path / "a")]) == errors.EXIT_USER

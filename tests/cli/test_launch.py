@@ -181,7 +181,7 @@ def test_launch_an_internal_error_keeps_its_traceback_in_train_log(tmp_path, lau
 
   monkeypatch.setattr(loop, "train_and_evaluate", crashing)
   os.makedirs(workdir)
-  code = launch._train(None, workdir, False, 0, launch_logging)   # pylint: disable=protected-access
+  code = launch._train(None, workdir, False, launch_logging)   # pylint: disable=protected-access
   assert code == errors.EXIT_CRASH
   with open(os.path.join(workdir, "train.log"), encoding="utf-8") as f:
     log = f.read()
@@ -199,7 +199,7 @@ def test_launch_a_user_error_writes_no_log(tmp_path, launch_logging, monkeypatch
     raise errors.UserError("config.optim.lr=-1: must be > 0")
 
   monkeypatch.setattr(loop, "train_and_evaluate", refusing)
-  code = launch._train(None, workdir, False, 0, launch_logging)   # pylint: disable=protected-access
+  code = launch._train(None, workdir, False, launch_logging)   # pylint: disable=protected-access
   assert code == errors.EXIT_USER
   assert os.listdir(workdir) == []
   assert launch_logging not in std_logging.getLogger().handlers
@@ -262,10 +262,12 @@ def test_the_last_line_names_the_step_as_an_integer():
 
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc to see the imports")
-def test_ctrl_c_while_importing_is_one_line(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_while_importing_is_one_line(signum, tmp_path):
   """SIGINT while launch.py imports its libraries (seconds; much of it in C extensions, where
   a KeyboardInterrupt became a traceback, an ImportError or a crash): one line, exit 75,
-  nothing written. The signal is sent once jaxlib is loaded, so within the imports."""
+  nothing written; and SIGTERM (a job cancelled as it starts: it was killed without a word).
+  The signal is sent once jaxlib is loaded, so within the imports."""
   workdir = tmp_path / "w"
   proc = subprocess.Popen([sys.executable, os.path.join(REPO, "launch.py"), "--config",
                            os.path.join(REPO, "experiments", "gpt2_ste.py") + ":tiny",
@@ -277,9 +279,10 @@ def test_ctrl_c_while_importing_is_one_line(tmp_path):
       if "jaxlib" in f.read():
         break
     time.sleep(0.01)
-  proc.send_signal(signal.SIGINT)
+  proc.send_signal(signum)
   out, _ = proc.communicate(timeout=120)
   assert proc.returncode == errors.EXIT_PREEMPTED, out[-3000:]
-  assert out.strip() == ("launch.py: stopped by SIGINT while starting; nothing was written. Run "
-                         "the same command again to start."), out[-3000:]
+  assert out.strip() == (f"launch.py: stopped by {signum.name} while starting; nothing was "
+                         "written. Run "
+                         f"it again (exit code {errors.EXIT_PREEMPTED})"), out[-3000:]
   assert not workdir.exists()

@@ -170,14 +170,16 @@ def test_launch_write_faults(finished, launch_main, tmp_path, monkeypatch):
     assert snapshot(tmp_path) == before, workdir
 
   # A torn last line and a lock left by a dead process (or an empty one, what a full disk left
-  # before the lock was written whole): the run goes on, says so, and loses nothing.
+  # before the lock was written whole, or `{}`, no whole lock either): the run goes on, says
+  # so, and loses nothing.
   metrics = (run / "metrics.jsonl").read_bytes()
   (run / "metrics.jsonl").write_bytes(metrics + b'{"step": 25, "train/lo')
   dead = subprocess.Popen([sys.executable, "-c", "pass"])
   dead.wait()
   for lock, says in ((json.dumps({"host": socket.gethostname(), "pid": dead.pid,
                                   "started": "earlier"}), f"(pid {dead.pid} on "),
-                     ("", "it is not a lock s24jax writes (0 bytes")):
+                     ("", "it is not a lock s24jax writes (0 bytes"),
+                     ("{}", "it is not a lock s24jax writes (2 bytes")):   # it blocked the run
     (run / "run.lock").write_text(lock)
     code, terminal = launch_main(run)
     assert code == 0, terminal

@@ -1,5 +1,6 @@
-"""kernels/cusparselt/compression_traffic.py, the compressions' memory-traffic tool: its ideal-bytes formula
-against hand counts (no compile), its refusals of bad arguments, and (`aot`) a tiny-shape run
+"""s24jax/perf/compression_traffic.py, the compressions' memory-traffic tool: its ideal-bytes
+formula against hand counts (no compile), its refusals of bad arguments (its --json: never a
+file but its own earlier records), and (`aot`) a tiny-shape run
 of every case through XLA's real GPU compiler, in a subprocess (aot.start must precede any jax
 backend). Only what cannot be brittle is asserted: every case compiles, in the layout the
 backend writes, and is counted; how many kernels XLA makes and their bytes are the tool's
@@ -15,6 +16,8 @@ import pytest
 
 from s24jax.kernels.cusparselt import layout
 from s24jax.perf import compression_traffic
+
+import faults
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repo
 
@@ -55,6 +58,24 @@ def test_an_existing_json_file_is_not_overwritten(tmp_path, capsys):
   with pytest.raises(SystemExit):
     compression_traffic.main(["--json", str(out)])
   assert out.read_text() == "keep me" and "exists" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("target", ["own_records", "new_folder"])
+def test_json_may_be_its_own_records_or_in_a_folder_to_make(target, tmp_path, capsys,
+                                                            monkeypatch):
+  """The check lets through the tool's own earlier records and a folder that can be made
+  (the run then stops at the plugin, made missing here: one line, exit 2, nothing written)."""
+  own = tmp_path / "traffic.json"
+  own.write_text(json.dumps([{"case": "hard", "ratio": 1.0, "bytes": 1}]))
+  path = own if target == "own_records" else tmp_path / "new" / "traffic.json"
+  def start():
+    raise compression_traffic.aot.PluginMissing("PLUGIN MISSING")
+  monkeypatch.setattr(compression_traffic.aot, "start", start)
+  before = faults.snapshot(tmp_path)
+  code = compression_traffic.main(["--json", str(path)])
+  err = capsys.readouterr().err
+  assert code == 2 and err.count("\n") == 1 and "PLUGIN MISSING" in err, err
+  assert faults.snapshot(tmp_path) == before
 
 
 _TINY = """

@@ -214,8 +214,8 @@ def test_the_plugin_writes_each_test_as_it_ends(tmp_path):
   assert last["cusparselt_serving"]["path"] in last["cusparselt_mapped"], last
 
 
-@pytest.mark.parametrize("case", ["readonly", "full", "foreign_md", "foreign_folder",
-                                  "file_as_out"])
+@pytest.mark.parametrize("case", ["readonly", "full", "foreign_md", "foreign_jsonl",
+                                  "foreign_folder", "file_as_out"])
 def test_where_it_writes_is_checked_before_anything_runs(case, tmp_path, capsys, monkeypatch):
   """The report replaces its own earlier files only: a read-only or full folder, a file of
   another kind under the report's name, or a file where the folder should be is one line and
@@ -225,6 +225,8 @@ def test_where_it_writes_is_checked_before_anything_runs(case, tmp_path, capsys,
   (out / "notes.txt").write_text("mine")
   if case == "foreign_md":
     (out / "gpu_report_latest.md").write_text("# my own notes\n")
+  if case == "foreign_jsonl":   # another tool's rows under the report's name
+    (out / "gpu_report_latest.jsonl").write_text('{"step": 1, "loss": 2.5}\n')
   if case == "foreign_folder":
     (out / "gpu_report_latest").mkdir()
     (out / "gpu_report_latest" / "data.bin").write_bytes(b"\0" * 8)

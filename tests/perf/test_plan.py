@@ -2,13 +2,16 @@
 (deviceless, the `aot` marker: skipped without the CUDA compile plugin) and reports its
 memory; the references are XLA's own buffer figures (the total is arguments + outputs -
 aliased + temporaries), 6 N tokens for the FLOPs, and a copy of the H100 shrunk to half of
-the step's need, which must not fit and must report the true need."""
+the step's need, which must not fit and must report the true need. Its command line: every
+argument and config check one line and exit 2, before the compile plugin is looked for."""
 import json
 import os
 import subprocess
 import sys
 
 import pytest
+
+import faults
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -89,7 +92,7 @@ def test_planner_reports_each_sparse_gemms_kernel_from_a_table(tmp_path):
            "sparse_ms": 0.4, "compress_ms": 0.2, "dense_ms": 0.5}]
   table = tmp_path / "table.json"
   table.write_text(json.dumps({"format": "s24jax.gemm_times/1", "rows": rows}))
-  out = tmp_path / "plan.json"
+  out = tmp_path / "reports" / "plan.json"   # a folder that does not exist yet: made
   run = subprocess.run([sys.executable, "-m", "s24jax.perf.plan", "--config",
                         "experiments/gpt2_t_sr_ste_df.py:tiny", "--gpu", "h100", "--no-search",
                         "--set", "sparsity.backend=cusparselt", "--set",
@@ -115,3 +118,85 @@ def test_planner_reports_each_sparse_gemms_kernel_from_a_table(tmp_path):
   assert r["cusparselt_custom_calls"] == 2 and r["cusparselt_rule_violations"] == 0
   assert {c["target"] for c in r["cusparselt_calls"]} == {"cusparselt_spmm"}
   assert "h_0/mlp/fc (x1, W~ 512x128, 1024 tokens) forward: 2:4 kernel" in run.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# The command line (in process: nothing is compiled; the compile plugin is made to be missing,
+# so a check that came after it would be hidden behind its error).
+
+
+def _plan(argv, capsys):
+  """(exit code, stderr) of `python -m s24jax.perf.plan argv`: a return or argparse's exit."""
+  from s24jax.perf import plan   # pylint: disable=g-import-not-at-top
+  try:
+    code = plan.main(argv)
+  except SystemExit as e:
+    code = e.code
+  return code, capsys.readouterr().err
+
+
+@pytest.fixture
+def no_plugin(monkeypatch):
+  """aot.start as without the CUDA compile plugin (its message: 'PLUGIN MISSING')."""
+  from s24jax.perf import plan   # pylint: disable=g-import-not-at-top
+  def start():
+    raise plan.aot.PluginMissing("PLUGIN MISSING")
+  monkeypatch.setattr(plan.aot, "start", start)
+
+
+TINY_HU = os.path.join(REPO, "experiments", "gpt2_t_sr_ste_df.py") + ":tiny"
+
+
+@pytest.mark.parametrize("sets, words", [
+    (["sparsity.sparse_layers=('*/nope/*',)"], ["'*/nope/*'", "match no layer"]),
+    (["model.d_model=66"], ["model.d_model=66"]),
+    (["sparsity.backend=cusparselt", "sparsity.gemm_table=TABLE"],
+     ["sparsity.gemm_table", "table.json", "s24jax/sparse_ops/gemm_times.py, TABLE_FORMAT"]),
+    ([], ["PLUGIN MISSING"]),      # a good config: then the plugin's error
+])
+def test_every_config_check_comes_before_the_compile_plugin(sets, words, tmp_path, capsys,
+                                                            no_plugin):
+  table = tmp_path / "table.json"   # another format: a plan report
+  table.write_text(json.dumps({"fits": True, "gpu": "h100"}))
+  argv = ["--config", TINY_HU, "--no-search"]
+  for s in sets:
+    argv += ["--set", s.replace("TABLE", str(table))]
+  code, err = _plan(argv, capsys)
+  assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+  assert all(w in err for w in words), err
+  assert ("PLUGIN MISSING" in err) == (not sets), err
+  with open(os.path.join(REPO, "s24jax", "sparse_ops", "gemm_times.py"), encoding="utf-8") as f:
+    assert "\nTABLE_FORMAT = " in f.read()   # the file the message names defines the format
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--gpu", "h900"], ["--gpu", "invalid choice: 'h900'"]),
+    (["--devices", "0"], ["--devices", "0 is below the minimum, 1"]),
+    (["--micro", "-2"], ["--micro", "-2 is below the minimum, 1"]),
+    (["--headroom", "1"], ["--headroom", "must be below 1"]),
+    (["--headroom", "nan"], ["--headroom", "not a finite number"]),
+    (["--headroom", "-0.1"], ["--headroom", "below the minimum, 0"]),
+    (["--json", "NOTES"], ["--json", "exists and is not a plan report"]),
+    (["--json", "FOLDER"], ["--json", "is a folder"]),
+])
+def test_a_bad_argument_is_one_line_and_2_before_the_config(argv, words, tmp_path, capsys,
+                                                            no_plugin):
+  (tmp_path / "notes.json").write_text('{"mine": 1}')
+  argv = [a.replace("NOTES", str(tmp_path / "notes.json")).replace("FOLDER", str(tmp_path))
+          for a in argv]
+  before = faults.snapshot(tmp_path)
+  code, err = _plan(["--config", TINY_HU, *argv], capsys)
+  assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+  assert all(w in err for w in words) and "PLUGIN" not in err, err
+  assert faults.snapshot(tmp_path) == before
+
+
+def test_the_gemm_time_cache_is_named_as_the_cache(tmp_path, monkeypatch):
+  """gemm_times' errors name a file by its role: the table the config names, or this
+  machine's cache of measurements (the same format)."""
+  from s24jax.sparse_ops import gemm_times   # pylint: disable=g-import-not-at-top
+  monkeypatch.setenv("S24JAX_CACHE", str(tmp_path))
+  for path, role in ((tmp_path / "t.json", "sparsity.gemm_table"),
+                     (gemm_times.cache_file(), "the GEMM time cache")):
+    with pytest.raises(ValueError, match=f"^{role} '{path}': not a JSON object"):
+      gemm_times.parse_rows([], path)

@@ -2,8 +2,8 @@
 time against the roofline worked by hand, the cuSPARSELt table's scaling rule by hand, the fit
 recovering known constants from step times the model itself generated, leave-one-out and
 Kendall's tau against hand counts, the measured runs' rows read as written, the named scopes
-the census relies on, the predictions file as a function of code and calibration, and the
-command's one-line errors (exit 2)."""
+the census relies on, and the predictions file as a function of code and calibration. The
+command's error path: tests/perf/test_step_time_cli.py."""
 import dataclasses
 import hashlib
 import itertools
@@ -19,7 +19,6 @@ from scipy import stats
 
 from s24jax.perf import roofline as rl
 from s24jax.perf import step_census as sc
-from s24jax.perf.step_time import build
 from s24jax.perf.step_time import calibration as cal
 from s24jax.perf.step_time import cli
 from s24jax.perf.step_time import predict
@@ -274,26 +273,6 @@ def test_the_library_names_the_mvue_kernels():
   assert not any(k.category == sc.MVUE for k in sc.census(plain.compile().as_text()))
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["census", "--config", os.path.join(REPO, "experiments", "no_such_file.py:124m")],
-     "not found"),
-    (["census", "--config", os.path.join(REPO, "experiments", "gpt2_dense.py:no_such")],
-     "variant"),
-    (["census"], "--config or --hlo"),
-    (["report", "--rows", "124m,9000m"], "9000m"),
-    (["predict", "--out", "/tmp/never_written.json", "--rows", "9000m"], "9000m"),
-    (["report", "--rows", "", "--calibration", "/no/such/calibration.json"], "no such file"),
-    (["predict", "--out", "/tmp/never_written.json", "--rows", "124m", "--config",
-      os.path.join(REPO, "experiments", "gpt2_dense.py:tiny")], "not both"),
-    (["predict", "--out", os.path.join(REPO, "docs", "step_model_calibration.json"),
-      "--rows", "124m"], "not a step-model predictions file"),
-])
-def test_a_bad_command_is_one_line_and_exit_2(argv, message, capsys):
-  assert cli.main(argv) == 2
-  err = capsys.readouterr().err.strip()
-  assert len(err.splitlines()) == 1 and message in err and err.startswith("s24jax.perf.step_time:")
-
-
 def test_the_committed_predictions_come_from_the_committed_calibration():
   """docs/step_model_predictions.json's constants and errors per device are what the model
   fits now to docs/step_model_calibration.json and the runs' step times (regenerate with
@@ -352,15 +331,3 @@ def test_predict_is_a_function_of_the_code_and_the_calibration(tmp_path, capsys)
   assert other["rows"][1]["step_ms"] != data["rows"][1]["step_ms"]
   assert other["rows"][0] == data["rows"][0]
   capsys.readouterr()
-
-
-def test_census_of_an_xla_dump_folder(tmp_path, capsys):
-  """`census --hlo DIR` reads the step's after-optimizations dump (XLA_FLAGS=--xla_dump_to),
-  e.g. from a GPU host: the hand-written module of tests/perf/test_step_census.py."""
-  import test_step_census   # pylint: disable=g-import-not-at-top (tests/ is on sys.path)
-  (tmp_path / "module_0001.jit_train_step.sm_9.0_gpu_after_optimizations.txt").write_text(
-      test_step_census.HLO)
-  assert cli.main(["census", "--hlo", str(tmp_path), "--kernels", "3"]) == 0
-  out = capsys.readouterr().out
-  assert "| dense GEMM | 2 / " in out and "| sparse GEMM | 1 / " in out
-  assert cli.main(["census", "--hlo", str(tmp_path / "missing")]) == 2

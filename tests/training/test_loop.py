@@ -5,11 +5,13 @@ first periodic checkpoint), refuses a checkpoint of another config without touch
 workdir, naming the config fields that differ, stops a diverged run keeping only finite
 checkpoints (exit code 4), passes each step's StepInfo (log exactly at the logged steps,
 against a brute-force rule) to the train step with at most two steps queued on the device,
-and logs a method's configure warning once. The references are an uninterrupted run's
+logs a method's configure warning once, and on a signal says the exit code it then has (in
+the last step: it finishes, 0; before: it stops, 75). The references are an uninterrupted run's
 losses, bit for bit, and rules written out here."""
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -196,6 +198,64 @@ def test_a_signal_during_the_start_up_stops_before_anything_is_written(tmp_path,
                      ) as e:
     loop.train_and_evaluate(tiny_config("ste", workdir_cache=data_cache), str(workdir))
   assert e.value.exit_code == errors.EXIT_PREEMPTED and not workdir.exists()
+
+
+_SAID_CODE = re.compile(r"\(exit code (\d+)\)")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signalled, total, stopped_at, outcome", [
+    ("in the last step", 3, None, errors.EXIT_OK),             # finishes, as it says
+    ("in the step before the last", 3, 2, errors.EXIT_PREEMPTED),   # stops after that step
+    ("while it starts, one step from the end", 1, 1, errors.EXIT_PREEMPTED),  # no check left
+])
+def test_a_signal_says_the_exit_code_the_run_then_has(signalled, total, stopped_at, outcome,
+                                                       tmp_path, data_cache, monkeypatch,
+                                                       caplog):
+  """SIGINT in the last step said 'stopping (exit code 75)' and the run exited 0. Each
+  signal's message names an exit code; the run ends with that one: a stop (75) after saving
+  the checkpoint of the step it stopped at, or the run's end (0), its final checkpoint and
+  metrics written."""
+  if threading.current_thread() is not threading.main_thread():
+    pytest.skip("signal handlers are installed from the main thread only")
+
+  def interrupt():
+    os.kill(os.getpid(), signal.SIGINT)   # handled by the loop's preemption.Guard
+
+  if signalled.startswith("while it starts"):
+    real_create = loop.Run.create.__func__
+
+    def create(cls, *args, **kwargs):
+      run = real_create(cls, *args, **kwargs)
+      interrupt()   # after the checks (at once: nothing written) and the first writes
+      return run
+    monkeypatch.setattr(loop.Run, "create", classmethod(create))
+  else:
+    real_step = loop.Run.train_step
+    at = total - 1 if signalled == "in the last step" else total - 2
+
+    def step(self, state, batch, info):
+      if int(info.step) == at:
+        interrupt()
+      return real_step(self, state, batch, info)
+    monkeypatch.setattr(loop.Run, "train_step", step)
+  workdir = tmp_path / "w"
+  cfg = tiny_config("ste", steps=total, workdir_cache=data_cache,
+                    overrides={"checkpoint_every": 100, "eval_every": 100})
+  with caplog.at_level("WARNING"):
+    try:
+      final, code = loop.train_and_evaluate(cfg, str(workdir)), errors.EXIT_OK
+    except preemption.Preempted as e:
+      final, code = None, e.exit_code
+  said = [r.getMessage() for r in caplog.records if "SIGINT received" in r.getMessage()]
+  assert len(said) == 1, said
+  assert [int(c) for c in _SAID_CODE.findall(said[0])] == [outcome] == [code], said
+  checkpoints = sorted(int(s) for s in os.listdir(workdir / "checkpoints") if s.isdigit())
+  if outcome == errors.EXIT_OK:
+    assert final["step"] == total and checkpoints[-1] == total
+    assert (workdir / "final_metrics.json").exists()
+  else:
+    assert checkpoints[-1] == stopped_at and max(losses(str(workdir))) == stopped_at
 
 
 @pytest.mark.slow

@@ -31,7 +31,9 @@ layout against the library on a probe of the operand's full size built on the ho
 (kernels/cusparselt/compression.py), which the estimate counts (`first_use_seconds`: by
 layouts.py's rate, ~166 s for the Llama slice's Hu et al. operands, ~43 s for 124m's, most of
 it the MVUE estimate's (N, 65536) probes), so at `--budget 420` the Llama pair is skipped for
-it and 124m's runs. The Llama rows have never run on a GPU.
+it and 124m's runs. The 124m and 1558m/2 rows ran on an H200 on 2026-11-27 in their form of
+then (one round of 5 steps, no program digest: docs/gpu_report.md); the rounds, the digests
+and the Llama rows have never run on a GPU.
 """
 from __future__ import annotations
 

@@ -6,9 +6,11 @@ import gzip
 import hashlib
 import json
 import pathlib
+import sys
 
 from s24jax import destinations
 from s24jax import errors
+from s24jax.perf import hlo_text
 from s24jax.perf import step_census
 from s24jax.kernels import aot
 
@@ -56,8 +58,11 @@ def compile_step(config, gpu: str = "h100", cache: str | None = None) -> tuple[s
                                    "unlogged step"]).encode()).hexdigest()[:24]
   path = pathlib.Path(cache) / f"{key}.json.gz" if cache else None
   if path is not None and path.exists():
-    saved = json.loads(gzip.decompress(path.read_bytes()))
-    return saved["hlo"], saved["memory"]
+    try:
+      saved = json.loads(gzip.decompress(path.read_bytes()))
+      return saved["hlo"], saved["memory"]
+    except (OSError, EOFError, ValueError, KeyError, TypeError):
+      pass   # a damaged entry of the cache (only ours): compiled again and replaced
   # A persistent compilation cache keys executables without their metadata: one compiled
   # before the named scopes would come back with the op names of then. (Off for this
   # compile only: a test process keeps its own.)
@@ -69,9 +74,15 @@ def compile_step(config, gpu: str = "h100", cache: str | None = None) -> tuple[s
     jax.config.update("jax_enable_compilation_cache", was)
   hlo, memory = compiled.as_text(), aot.memory_report(compiled)
   if path is not None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    destinations.write_atomic(str(path), gzip.compress(
-        json.dumps({"hlo": hlo, "memory": memory}).encode()))
+    try:
+      path.parent.mkdir(parents=True, exist_ok=True)
+      destinations.write_atomic(str(path), gzip.compress(
+          json.dumps({"hlo": hlo, "memory": memory}).encode()))
+    except OSError as e:   # the cache only saves time: the compile's result is still used
+      if not destinations.is_write_error(e, under=str(path.parent)):
+        raise
+      print(f"s24jax.perf.step_time: warning: the compile was not cached in {cache}: "
+            f"{destinations.reason(e)}", file=sys.stderr)
   return hlo, memory
 
 
@@ -117,4 +128,20 @@ def read_hlo(path: str) -> str:
     p = dumps[0]
   if not p.is_file():
     raise errors.UserError(f"--hlo {path}: no such file or folder")
-  return p.read_text()
+  try:
+    return p.read_bytes().decode("utf-8")
+  except OSError as e:
+    raise errors.UserError(f"--hlo {p}: cannot be read ({e.strerror})") from None
+  except UnicodeDecodeError:
+    raise errors.UserError(f"--hlo {p}: not text (a binary file?): give optimized HLO text, "
+                           "e.g. an XLA dump's *after_optimizations.txt") from None
+
+
+def hlo_census(path: str) -> list[step_census.Kernel]:
+  """The kernels of the HLO text at `path` (read_hlo); UserError where it is not HLO text."""
+  text = read_hlo(path)
+  try:
+    return step_census.census(text)
+  except hlo_text.NotHlo as e:
+    raise errors.UserError(f"--hlo {path}: not optimized HLO text: {e} (give an XLA dump's "
+                           "*after_optimizations.txt, or its folder)") from None

@@ -9,8 +9,8 @@ import json
 import pathlib
 from typing import Any
 
-from s24jax import destinations
 from s24jax import errors
+from s24jax.perf import outputs
 from s24jax.perf import roofline
 from s24jax.perf import step_census
 
@@ -82,19 +82,36 @@ def compact(kernels) -> list[dict[str, Any]]:
   return list(merged.values())
 
 
+def not_a_census(path) -> str | None:
+  """None if `path` is a census file (CENSUS_FORMAT), else why not (args.input_file's
+  `kind`)."""
+  try:
+    data = json.loads(pathlib.Path(path).read_bytes().decode("utf-8"))
+  except (OSError, ValueError) as e:   # a binary file: UnicodeDecodeError, a ValueError
+    return f"not JSON ({str(e).splitlines()[0][:80]})"
+  if not (isinstance(data, dict) and data.get("format") == CENSUS_FORMAT
+          and isinstance(data.get("rows"), dict)):
+    return f'not a JSON object with "format": "{CENSUS_FORMAT}" and its "rows"'
+  return None
+
+
 def load_calibration(path=CALIBRATION) -> dict[str, dict[str, Any]]:
-  data = json.loads(pathlib.Path(path).read_text())
-  if data.get("format") != CENSUS_FORMAT:
-    raise errors.UserError(f"{path}: not a census file (format {CENSUS_FORMAT})")
-  return data["rows"]
+  why = not_a_census(path)
+  if why:
+    raise errors.UserError(f"{path}: not a census file: {why}")
+  return json.loads(pathlib.Path(path).read_bytes())["rows"]
 
 
 def save_census(path: str, name: str, row: dict[str, Any]) -> None:
-  """Adds (or replaces) the row `name` of a census file, one kernel record per line."""
+  """Adds (or replaces) the row `name` of a census file, one kernel record per line; a file
+  there must be a census file (it is left as it is otherwise), a missing folder is made."""
   p = pathlib.Path(path)
-  data = (json.loads(p.read_text()) if p.exists() else {"format": CENSUS_FORMAT, "rows": {}})
+  data = (json.loads(p.read_text()) if p.exists() and not not_a_census(p)
+          else {"format": CENSUS_FORMAT, "rows": {}})
   data["rows"][name] = row
-  destinations.write_atomic(path, dump_census(data))
+  outputs.write(path, dump_census(data), what="the census file",
+                replaces=lambda q: not not_a_census(q),
+                intact="The census file is as it was (the table above is complete)")
 
 
 def dump_census(data: dict[str, Any]) -> str:

@@ -1,4 +1,10 @@
-"""The commands of `python -m s24jax.perf.step_time` (the package docstring)."""
+"""The commands of `python -m s24jax.perf.step_time` (the package docstring), on the error path
+every command shares (s24jax/cli/command.py): a bad argument, config or file is one line and
+exit code 2 before anything is compiled or written; a file it writes (--save, --json, --out)
+replaces only a file of its own kind (a census file, a predictions file: never the
+calibration by mistake), its folder made if missing; a write that fails meanwhile is one line
+and 5; Ctrl-C one line and 75.
+"""
 from __future__ import annotations
 
 import argparse
@@ -11,7 +17,9 @@ from typing import Any
 
 from s24jax import destinations
 from s24jax import errors
-from s24jax.perf import step_census
+from s24jax.cli import args as cli_args
+from s24jax.cli import command
+from s24jax.perf import outputs
 from s24jax.kernels import aot
 from s24jax.perf.step_time import build
 from s24jax.perf.step_time import calibration as cal
@@ -40,7 +48,7 @@ def _git_revision() -> str:
 
 def census(args) -> int:
   if args.hlo:
-    kernels, memory, config = step_census.census(build.read_hlo(args.hlo)), None, None
+    kernels, memory, config = build.hlo_census(args.hlo), None, None
   else:
     _start()
     config, kernels, memory = build.compile_census(args.config, args.backend, args.set,
@@ -124,7 +132,9 @@ def _write(path: str, fits, rows, args) -> None:
     del argv[argv.index("--cache"):argv.index("--cache") + 2]
   out = predict.document(fits, rows, args.calibration,
                          "python -m s24jax.perf.step_time " + shlex.join(argv))
-  destinations.write_atomic(path, json.dumps(out, indent=1) + "\n")
+  outputs.write(path, json.dumps(out, indent=1) + "\n", what="the predictions file",
+                replaces=_of_format(predict.FORMAT),
+                intact="The file is as it was (the tables above are complete)")
   print(f"wrote {path}")
 
 
@@ -143,34 +153,45 @@ def _start() -> None:
     raise errors.UserError(str(e)) from None
 
 
+# argparse types (a string default goes through its type too: the optional files default to
+# None, which does not).
+_MICRO = cli_args.integer(minimum=1)
+_CACHE = cli_args.output_folder("the compile cache", "--cache")
+
+
 def _parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="python -m s24jax.perf.step_time",
-                              description=__doc__.split("\n")[0])
+  p = command.Parser(prog="python -m s24jax.perf.step_time",
+                     description=__doc__.split("\n")[0])
   sub = p.add_subparsers(dest="command", required=True)
   c = sub.add_parser("census", help="the kernels of one compiled step, per category")
   c.add_argument("--config", help="experiments/X.py[:variant]")
   c.add_argument("--backend", default="xla", help="sparsity.backend (xla, cusparselt, ...)")
-  c.add_argument("--micro", type=int, default=None,
+  c.add_argument("--micro", type=_MICRO, default=None,
                  help="sequences per micro-batch (default: the config's)")
   c.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
-  c.add_argument("--gpu", default="h100")
+  c.add_argument("--gpu", default="h100", choices=aot.TARGETS)
   c.add_argument("--hlo", default="", help="read optimized HLO text instead of compiling")
-  c.add_argument("--kernels", type=int, default=0, help="list the N costliest kernels")
-  c.add_argument("--save", default="", help="add the census to this census file")
+  c.add_argument("--kernels", type=cli_args.integer(minimum=0), default=0,
+                 help="list the N costliest kernels")
+  c.add_argument("--save", default=None, help="add the census to this census file",
+                 type=cli_args.output_file("a step-model census file", "--save",
+                                           replaces=lambda q: not cal.not_a_census(q)))
   c.add_argument("--name", default="", help="its name there")
-  c.add_argument("--cache", default="", help="a folder caching compiled HLO")
+  c.add_argument("--cache", default=None, type=_CACHE, help="a folder caching compiled HLO")
   r = sub.add_parser("report", help="calibrate on the measured runs (per device, errors in-"
                       "sample and leave-one-out), predict, write JSON")
-  r.add_argument("--json", default="", help="write the predictions file here (as predict)")
+  r.add_argument("--json", default=None, help="write the predictions file here (as predict)",
+                 type=_predictions_file("--json"))
   _model_options(r)
   f = sub.add_parser("predict", help="write the predictions file from the current code and "
                      "the calibration")
-  f.add_argument("--out", required=True, help="the predictions file to write")
+  f.add_argument("--out", required=True, help="the predictions file to write",
+                 type=_predictions_file("--out"))
   _model_options(f)
   f.add_argument("--config", default="", help="one config instead of --rows: "
                  "experiments/X.py[:variant]")
   f.add_argument("--backend", default="xla", help="with --config: sparsity.backend")
-  f.add_argument("--micro", type=int, default=None, help="with --config: its micro-batch")
+  f.add_argument("--micro", type=_MICRO, default=None, help="with --config: its micro-batch")
   f.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
   return p
 
@@ -180,18 +201,23 @@ def _model_options(p: argparse.ArgumentParser) -> None:
   p.add_argument("--rows", default=None,
                  help="comma-separated PREDICTIONS names ('' for the calibration only)")
   p.add_argument("--calibration", default=str(cal.CALIBRATION),
+                 type=cli_args.input_file("a census file", kind=cal.not_a_census),
                  help="the census file the model is fitted to")
-  p.add_argument("--cache", default="", help="a folder caching compiled HLO")
+  p.add_argument("--cache", default=None, type=_CACHE, help="a folder caching compiled HLO")
+
+
+def _predictions_file(flag: str):
+  """A predictions file to write: an existing file only if it is one (never the calibration
+  nor any other census file)."""
+  return cli_args.output_file("a step-model predictions file", flag,
+                              replaces=_of_format(predict.FORMAT))
 
 
 def _check(args) -> None:
+  """What the argument types cannot check alone (each UserError, before any work)."""
   if args.command == "census":
     if bool(args.config) == bool(args.hlo):
       raise errors.UserError("census needs --config or --hlo (one of them)")
-    if args.gpu not in aot.TARGETS:
-      raise errors.UserError(f"--gpu {args.gpu!r}: not one of {', '.join(aot.TARGETS)}")
-    if args.micro is not None and args.micro < 1:
-      raise errors.UserError(f"--micro {args.micro}: must be >= 1")
     if args.save and not args.name:
       raise errors.UserError("--save needs --name (the row's name in the census file)")
     if args.config:   # the config loads without a compiler: a bad one fails here, one line
@@ -201,21 +227,10 @@ def _check(args) -> None:
     bad = [n for n in (args.rows.split(",") if args.rows else []) if n not in names]
     if bad:
       raise errors.UserError(f"--rows {','.join(bad)}: not among {', '.join(names)}")
-    if not pathlib.Path(args.calibration).is_file():
-      raise errors.UserError(f"--calibration {args.calibration}: no such file")
-    if getattr(args, "micro", None) is not None and args.micro < 1:
-      raise errors.UserError(f"--micro {args.micro}: must be >= 1")
     if getattr(args, "config", ""):
       if args.rows is not None:
         raise errors.UserError("predict takes --config or --rows, not both")
       build.step_config(args.config, args.backend, args.set, args.micro)
-  # Each flag replaces only a file of its own kind: predictions, or a census file.
-  kinds = {"json": ("predictions", predict.FORMAT), "out": ("predictions", predict.FORMAT),
-           "save": ("census", cal.CENSUS_FORMAT)}
-  for flag, (what, fmt) in kinds.items():
-    if getattr(args, flag, ""):
-      destinations.check_file(getattr(args, flag), what=f"a step-model {what} file",
-                              flag=f"--{flag}", replaces=_of_format(fmt))
 
 
 def _of_format(fmt: str):
@@ -231,12 +246,15 @@ def _of_format(fmt: str):
   return replaces
 
 
-def main(argv=None) -> int:
-  args = _parser().parse_args(argv)   # argparse: a malformed command line exits 2
+def _main(argv) -> int:
+  args = _parser().parse_args(argv)   # a malformed command line: one line, exit 2
   args.argv = argv
-  try:
-    _check(args)
-    return {"census": census, "report": report, "predict": predict_command}[args.command](args)
-  except errors.UserError as e:
-    print(f"s24jax.perf.step_time: {e}", file=sys.stderr)
-    return e.exit_code
+  _check(args)
+  return {"census": census, "report": report, "predict": predict_command}[args.command](args)
+
+
+def main(argv=None) -> int:
+  """The command's exit code (s24jax/errors.py; the module docstring)."""
+  return command.run(_main, argv, name="s24jax.perf.step_time",
+                     stopped="nothing it wrote is partial (each file is written whole or not "
+                             "at all): run it again")
