@@ -78,17 +78,24 @@ def test_flops_and_plan_name_the_bad_argument_in_one_line(capsys, monkeypatch, t
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and named in err and "Traceback" not in err, err
 
-  def no_plugin_check():
-    raise AssertionError("argument errors must come before the compile plugin check")
+  def no_plugin():
+    raise aot.PluginMissing("the CUDA compile plugin is missing (a test's)")
 
-  monkeypatch.setattr(aot, "start", no_plugin_check)
+  # The plugin missing: every argument and config error is still the one said (they come
+  # first), never the plugin's.
+  monkeypatch.setattr(aot, "check_plugin", no_plugin)
   cases = ((["--config", "experiments/nope.py"], "config file 'experiments/nope.py'"),
-           (["--config", "experiments/gpt2_ste.py:tiny", "--gpu", "v100"], "--gpu 'v100'"),
-           (["--config", "experiments/gpt2_ste.py:tiny", "--devices", "0"], "--devices 0"),
+           (["--config", "experiments/gpt2_ste.py:tiny", "--gpu", "v100"], "--gpu: invalid choice: 'v100'"),
+           (["--config", "experiments/gpt2_ste.py:tiny", "--devices", "0"], "--devices: 0 is below"),
            (["--config", "experiments/gpt2_ste.py:tiny", "--set", "batch_size=0"],
             "config.batch_size=0"),
            (["--config", "experiments/gpt2_ste.py:tiny", "--set", "nope=1"], "override 'nope'"))
   for argv, named in cases:
-    assert plan.main(argv) == errors.EXIT_USER
+    try:
+      code = plan.main(argv)
+    except SystemExit as e:   # an argument's check (argparse, command.Parser: one line)
+      code = e.code
+    assert code == errors.EXIT_USER
     err = capsys.readouterr().err
     assert err.startswith("s24jax.perf.plan: ") and named in err and err.count("\n") == 1, err
+    assert "plugin" not in err, err

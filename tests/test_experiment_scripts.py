@@ -84,7 +84,7 @@ def test_each_script_is_guarded_before_its_imports_and_ends_in_command_run(name)
                             "from s24jax.cli import command"], imports_before
   last = body[-1]
   assert isinstance(last, ast.If) and "__main__" in ast.unparse(last.test)
-  assert "sys.exit(command.run(main" in ast.unparse(last), ast.unparse(last)
+  assert "command.exit_with(command.run(main" in ast.unparse(last), ast.unparse(last)
 
 
 @pytest.mark.slow

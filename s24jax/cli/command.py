@@ -48,10 +48,12 @@ class Parser(argparse.ArgumentParser):
   """argparse whose errors are one line naming the argument (exit code 2); --help as usual."""
 
   def error(self, message: str):
-    runnable = (f"python -m {self.prog}" if "." in self.prog and "/" not in self.prog
-                and not self.prog.endswith(".py") else self.prog)
-    _say(self.prog, f"{message} ({runnable} --help lists the arguments) "
-                    f"(exit code {errors.EXIT_USER})")
+    # prog is a module ('s24jax.perf.plan' or 'python -m s24jax.perf.plan') or a script path.
+    name = self.prog.removeprefix("python -m ")
+    script = name.endswith(".py") or "/" in name or "." not in name
+    runnable = name if script else f"python -m {name}"
+    _say(name, f"{message} ({runnable} --help lists the arguments) "
+               f"(exit code {errors.EXIT_USER})")
     sys.exit(errors.EXIT_USER)
 
 
@@ -101,7 +103,7 @@ def _handled(main, argv, name: str, stopped: str, writes_under: str | None) -> i
                                       "What was there before is intact")
     _say(name, f"{error} (exit code {error.exit_code})")
     return error.exit_code
-  except SystemExit:
+  except SystemExit:   # argparse's --help (0) and its errors (Parser.error: 2), as they are
     raise
   except Exception:  # pylint: disable=broad-except
     traceback.print_exc()

@@ -66,6 +66,11 @@ def _summary(workdir: str, wall: float, extra_keys: Sequence[str]) -> dict[str, 
   return row
 
 
+# Fields that say where a run keeps its files, not what it trains: a run reused from another
+# machine or cache folder is the same run.
+WHERE_NOT_WHAT = ("data.cache_dir", "data.tfds_data_dir")
+
+
 def check_reusable(workdir: str, config, *, remedy: str) -> None:
   """The run in `workdir`, if any, was made with `config` (module docstring): else a UserError
   naming the fields that differ and `remedy` (what to do). A workdir the loop would refuse (a
@@ -77,7 +82,8 @@ def check_reusable(workdir: str, config, *, remedy: str) -> None:
       raise errors.UserError(f"{workdir} holds results but no config.json: what they were "
                              f"run with is unknown. {remedy} (nothing was run)")
     return
-  changed = workdir_lib.changed_fields(recorded, workdir_lib.as_json(config))
+  changed = {k: v for k, v in workdir_lib.changed_fields(
+      recorded, workdir_lib.as_json(config)).items() if k not in WHERE_NOT_WHAT}
   if changed:
     shown = "; ".join(f"{k}: {v['was']!r} there, {v['now']!r} asked"
                       for k, v in list(changed.items())[:4])

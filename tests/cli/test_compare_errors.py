@@ -62,3 +62,14 @@ def test_steps_is_a_count(tmp_path, capsys):
   err = capsys.readouterr().err
   assert stop.value.code == errors.EXIT_USER and err.count("\n") == 1, err
   assert "argument --steps: -2 is below the minimum, 0" in err and not list(tmp_path.iterdir())
+
+
+def test_where_a_run_keeps_its_files_does_not_make_it_another_run(root, tmp_path):
+  """data.cache_dir says where the tokens are cached, not what is trained (WHERE_NOT_WHAT):
+  a run made with another cache folder is reused; a field that changes the run is not."""
+  other = {"data.cache_dir": str(tmp_path / "another_cache")}
+  table = compare.run_all([compare.Arm("a", str(root / "cfg.py"), other)], str(root / "root"))
+  assert "(cached)" in table
+  with pytest.raises(errors.UserError, match="seed"):
+    compare.run_all([compare.Arm("a", str(root / "cfg.py"), {"seed": 12345})],
+                    str(root / "root"))

@@ -357,7 +357,10 @@ def test_plan_checks_its_report_path_before_compiling(tmp_path, monkeypatch, cap
     with monkeypatch.context() as m:
       if fault:
         getattr(Faults(m), fault)(tmp_path)
-      code = plan.main(["--config", EXPERIMENT, "--json", str(path)])
+      try:
+        code = plan.main(["--config", EXPERIMENT, "--json", str(path)])
+      except SystemExit as e:   # --json's check is an argument's (command.Parser: one line)
+        code = e.code
     err = capsys.readouterr().err
     assert code == errors.EXIT_USER and err.startswith("s24jax.perf.plan: "), err
     _one_line(err, says)
@@ -377,7 +380,7 @@ def test_plan_checks_its_report_path_before_compiling(tmp_path, monkeypatch, cap
     code = plan.main(["--config", EXPERIMENT, "--json", str(path)])
   captured = capsys.readouterr()
   assert code == errors.EXIT_STORAGE and captured.out == "the report: fits=True\n", captured
-  _one_line(captured.err, f"cannot write the report {path}")
+  _one_line(captured.err, f"cannot write the plan report {path}")
   assert path.read_bytes() == earlier
   assert plan.main(["--config", EXPERIMENT, "--json", str(path)]) == 0   # the disk freed
   assert json.loads(path.read_text())["earlier"] is False
